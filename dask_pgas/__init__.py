@@ -1,0 +1,36 @@
+"""dask_pgas: redistribute arrays across GPUs or MPI ranks in one collective reshape.
+
+The PGAS core mirrors ``nvmath.distributed``::
+
+    import dask_pgas
+    from dask_pgas.distribution import Box
+
+    dask_pgas.initialize(backends=["mpi"])          # or ["nvshmem"] on GPUs
+    b = dask_pgas.reshape.reshape(a, Box(...), Box(...))
+    dask_pgas.finalize()
+"""
+
+from . import distribution, errors, reshape
+from ._version import __version__
+from .distribution import Box
+from .memory import allocate_symmetric_memory, free_symmetric_memory, heap_usage
+from .reshape import Reshape, ReshapeOptions
+from .runtime import available_backends, finalize, initialize, initialized_backends, is_initialized
+
+__all__ = [
+    "Box",
+    "Reshape",
+    "ReshapeOptions",
+    "__version__",
+    "allocate_symmetric_memory",
+    "available_backends",
+    "distribution",
+    "errors",
+    "finalize",
+    "free_symmetric_memory",
+    "heap_usage",
+    "initialize",
+    "initialized_backends",
+    "is_initialized",
+    "reshape",
+]

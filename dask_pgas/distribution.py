@@ -1,0 +1,111 @@
+"""Box distributions: the part of a global array that one process holds.
+
+Mirrors ``nvmath.distributed.distribution.Box``: ``lower`` is inclusive, ``upper`` exclusive, both in global
+coordinates, any number of dimensions. Pure Python: no MPI, CUDA or Dask here.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Iterable, Sequence
+
+__all__ = ["Box"]
+
+
+def _coords(values: Iterable[int], name: str) -> tuple[int, ...]:
+    try:
+        out = tuple(operator.index(v) for v in values)
+    except TypeError as exc:
+        raise TypeError(f"Box {name} must be a sequence of integers, got {values!r}") from exc
+    return out
+
+
+class Box:
+    """A rectangular section ``[lower, upper)`` of a global array.
+
+    >>> Box((0, 2), (4, 4)).shape
+    (4, 2)
+    """
+
+    __slots__ = ("_lower", "_upper")
+
+    def __init__(self, lower: Sequence[int], upper: Sequence[int]) -> None:
+        lo, up = _coords(lower, "lower"), _coords(upper, "upper")
+        if len(lo) != len(up):
+            raise ValueError(f"Box lower {lo} and upper {up} have different lengths")
+        if len(lo) == 0:
+            raise ValueError("Box needs at least one dimension")
+        if any(u < l for l, u in zip(lo, up)):
+            raise ValueError(f"Box upper {up} is below lower {lo} in some dimension; upper is exclusive")
+        self._lower = lo
+        self._upper = up
+
+    @classmethod
+    def from_any(cls, value: Box | Sequence[Sequence[int]]) -> Box:
+        """A Box, or a ``(lower, upper)`` pair, as a Box."""
+        if isinstance(value, Box):
+            return value
+        try:
+            lower, upper = value
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"expected a Box or a (lower, upper) pair, got {value!r}") from exc
+        return cls(lower, upper)
+
+    @property
+    def lower(self) -> tuple[int, ...]:
+        return self._lower
+
+    @property
+    def upper(self) -> tuple[int, ...]:
+        return self._upper
+
+    @property
+    def ndim(self) -> int:
+        return len(self._lower)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(u - l for l, u in zip(self._lower, self._upper))
+
+    @property
+    def size(self) -> int:
+        """Number of elements in the box."""
+        return math.prod(self.shape)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.size == 0
+
+    def intersection(self, other: Box) -> Box | None:
+        """The common part of two boxes, or None when they share no element."""
+        if other.ndim != self.ndim:
+            raise ValueError(f"cannot intersect a {self.ndim}-D box with a {other.ndim}-D box")
+        lo = tuple(max(a, b) for a, b in zip(self._lower, other._lower))
+        up = tuple(min(a, b) for a, b in zip(self._upper, other._upper))
+        if any(u <= l for l, u in zip(lo, up)):
+            return None
+        return Box(lo, up)
+
+    def relative_to(self, origin: Box) -> tuple[slice, ...]:
+        """Slices that select this box inside an array holding ``origin``."""
+        return tuple(slice(l - o, u - o) for l, u, o in zip(self._lower, self._upper, origin._lower))
+
+    def __iter__(self):
+        # lets ``lower, upper = box`` work, as with nvmath's list form
+        yield self._lower
+        yield self._upper
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Box):
+            return NotImplemented
+        return self._lower == other._lower and self._upper == other._upper
+
+    def __hash__(self) -> int:
+        return hash((self._lower, self._upper))
+
+    def __repr__(self) -> str:
+        return f"Box({self._lower}, {self._upper})"
+
+    def __reduce__(self):
+        return (Box, (self._lower, self._upper))

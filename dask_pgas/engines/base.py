@@ -1,0 +1,179 @@
+"""The interface every engine implements, and the plan description handed to it.
+
+The front end (:mod:`dask_pgas.runtime`, :mod:`dask_pgas.memory`, :mod:`dask_pgas.reshape`) validates input
+collectively and keeps the registry of symmetric allocations; an engine only moves bytes:
+
+* ``allocate``/``free``: one symmetric allocation of the same byte size on every rank (collective);
+* ``as_array``: a zero-copy array of some package over an allocation;
+* ``plan_reshape``: a :class:`ReshapePlan` for a fully validated :class:`ReshapeSpec` (collective), executed
+  many times and freed collectively.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..distribution import Box
+
+__all__ = ["Allocation", "ControlPlane", "Engine", "ReshapePlan", "ReshapeSpec"]
+
+
+class ControlPlane(ABC):
+    """Host-side exchange of small Python objects among the ranks of one PGAS world.
+
+    Used for collective validation (every rank sees every rank's description and raises the same error).
+    """
+
+    rank: int
+    size: int
+
+    @abstractmethod
+    def allgather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+
+    def barrier(self) -> None:
+        self.allgather(None)
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        return self.allgather(obj if self.rank == root else None)[root]
+
+    def free(self) -> None:  # noqa: B027 - optional hook
+        """Release communication resources (collective)."""
+
+
+@dataclass(frozen=True)
+class ReshapeSpec:
+    """A validated reshape: every rank's input and output box, the element type and the memory order.
+
+    Local arrays are dense (C or Fortran order, the same on every rank) with the shape of the rank's box.
+    """
+
+    input_boxes: tuple[Box, ...]
+    output_boxes: tuple[Box, ...]
+    dtype: np.dtype
+    order: str
+    rank: int
+
+    def __post_init__(self) -> None:
+        if len(self.input_boxes) != len(self.output_boxes):
+            raise ValueError("one input and one output box per rank are needed")
+        if self.order not in ("C", "F"):
+            raise ValueError(f"order must be 'C' or 'F', not {self.order!r}")
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+
+    @property
+    def nranks(self) -> int:
+        return len(self.input_boxes)
+
+    @property
+    def input_box(self) -> Box:
+        return self.input_boxes[self.rank]
+
+    @property
+    def output_box(self) -> Box:
+        return self.output_boxes[self.rank]
+
+    @property
+    def max_nbytes(self) -> int:
+        """Largest input or output piece over all ranks, in bytes (sizes symmetric buffers)."""
+        return max(b.size for b in (*self.input_boxes, *self.output_boxes)) * self.dtype.itemsize
+
+
+@dataclass(eq=False)
+class Allocation:
+    """One symmetric allocation: ``nbytes`` on every rank, at ``ptr`` locally; ``handle`` is the engine's."""
+
+    nbytes: int
+    ptr: int
+    handle: Any = field(repr=False)
+
+
+class ReshapePlan(ABC):
+    """A planned reshape: ``execute`` as often as needed, then ``free`` (collective)."""
+
+    spec: ReshapeSpec
+
+    @abstractmethod
+    def execute(self, src: Any, dst: Any, *, stream: Any = None, sync_symmetric_memory: bool = True) -> None:
+        """Move ``src`` (the local input box) into ``dst`` (the local output box). Collective.
+
+        ``src`` and ``dst`` are dense arrays in ``spec.order`` of a package the engine accepts.
+        """
+
+    @abstractmethod
+    def free(self) -> None:
+        """Release the plan's resources (collective)."""
+
+
+class Engine(ABC):
+    """One PGAS backend of an initialized world."""
+
+    name: ClassVar[str]
+    #: array packages this engine allocates symmetric memory for, e.g. ("numpy",) or ("cupy", "torch")
+    packages: ClassVar[tuple[str, ...]]
+    #: array packages accepted as reshape operands (may include staged ones, e.g. numpy on a GPU engine)
+    operand_packages: ClassVar[tuple[str, ...]]
+
+    control: ControlPlane
+
+    @property
+    def rank(self) -> int:
+        return self.control.rank
+
+    @property
+    def nranks(self) -> int:
+        return self.control.size
+
+    @classmethod
+    @abstractmethod
+    def unavailable_reason(cls) -> str | None:
+        """None when the engine can run here, otherwise why not and how to fix it."""
+
+    @classmethod
+    @abstractmethod
+    def create(cls, *, device_id: int | None, communicator: Any) -> Engine:
+        """Collective over ``communicator`` (an mpi4py communicator): bring the engine up on every rank."""
+
+    #: True when operands of ``packages`` must lie on the symmetric heap (GPU engines)
+    requires_symmetric_operands: ClassVar[bool] = False
+
+    @abstractmethod
+    def allocate(self, nbytes: int) -> Allocation:
+        """Collective: ``nbytes`` (equal on every rank) of symmetric memory."""
+
+    @abstractmethod
+    def free(self, allocation: Allocation) -> None:
+        """Collective: release an allocation (every rank frees the same ones in the same order)."""
+
+    @abstractmethod
+    def as_array(
+        self, allocation: Allocation, shape: Sequence[int], dtype: Any, package: str, order: str = "C"
+    ) -> Any:
+        """A zero-copy array of ``package`` viewing the start of ``allocation``."""
+
+    @abstractmethod
+    def on_heap(self, array: Any) -> bool:
+        """Whether the array's memory lies on this engine's symmetric heap."""
+
+    @abstractmethod
+    def plan_reshape(self, spec: ReshapeSpec) -> ReshapePlan:
+        """Collective: a plan for a validated spec."""
+
+    def empty(self, shape: Sequence[int], dtype: Any, package: str, order: str = "C") -> Any:
+        """An ordinary (not symmetric) local array for results of operands off the heap."""
+        if package != "numpy":
+            raise NotImplementedError(f"{self.name} engine cannot allocate {package} arrays")
+        return np.empty(shape, dtype=dtype, order=order)
+
+    def heap_info(self) -> dict[str, int]:
+        """Engine-level heap facts (for example the NVSHMEM heap size); may be empty."""
+        return {}
+
+    @abstractmethod
+    def finalize(self) -> None:
+        """Collective: tear the engine down (the front end has freed every allocation first)."""

@@ -1,0 +1,191 @@
+"""CPU engine on mpi4py: ``MPI.Win.Allocate`` symmetric memory and an ``Alltoallw`` reshape.
+
+The plan builds, once, one subarray datatype per peer for the piece this rank sends it (a box of the local
+input) and one for the piece it receives (a box of the local output); ``execute`` is then a single
+``Alltoallw`` plus a NumPy copy of the piece that stays on this rank. Element types come from
+``mpi4py.util.dtlib`` (structured dtypes included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .base import Allocation, ControlPlane, Engine, ReshapePlan, ReshapeSpec
+
+__all__ = ["MPIControl", "MPIEngine", "MPIReshapePlan"]
+
+
+class MPIControl(ControlPlane):
+    """Control plane over a private duplicate of an mpi4py communicator."""
+
+    def __init__(self, communicator: Any) -> None:
+        self.comm = communicator.Dup()
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return self.comm.allgather(obj)
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        return self.comm.bcast(obj, root=root)
+
+    def free(self) -> None:
+        from mpi4py import MPI
+
+        if self.comm != MPI.COMM_NULL:
+            self.comm.Free()
+
+
+def _element_type(dtype: np.dtype):
+    from mpi4py import MPI
+    from mpi4py.util import dtlib
+
+    try:
+        return dtlib.from_numpy_dtype(dtype), False
+    except (ValueError, TypeError, KeyError):
+        # byte-swapped or otherwise unmapped: move the raw bytes of each element
+        return MPI.BYTE.Create_contiguous(dtype.itemsize).Commit(), True
+
+
+class MPIReshapePlan(ReshapePlan):
+    def __init__(self, engine: MPIEngine, spec: ReshapeSpec) -> None:
+        from mpi4py import MPI
+
+        self.spec = spec
+        self._comm = engine.data_comm
+        order = MPI.ORDER_C if spec.order == "C" else MPI.ORDER_FORTRAN
+        base, self._owns_base = _element_type(spec.dtype)
+        if not self._owns_base:
+            base = base.Dup().Commit()
+            self._owns_base = True
+        self._base = base
+        nranks, me = spec.nranks, spec.rank
+        my_in, my_out = spec.input_box, spec.output_box
+        self._send_types, self._recv_types = [base] * nranks, [base] * nranks
+        self._send_counts, self._recv_counts = [0] * nranks, [0] * nranks
+        self._derived = []
+        self._local: tuple[tuple[slice, ...], tuple[slice, ...]] | None = None
+        self.bytes_sent = 0
+        for peer in range(nranks):
+            piece = my_in.intersection(spec.output_boxes[peer])
+            if piece is not None:
+                if peer == me:
+                    self._local = (piece.relative_to(my_in), piece.relative_to(my_out))
+                else:
+                    self._send_types[peer] = self._subarray(base, my_in, piece, order)
+                    self._send_counts[peer] = 1
+                    self.bytes_sent += piece.size * spec.dtype.itemsize
+            piece = spec.input_boxes[peer].intersection(my_out)
+            if piece is not None and peer != me:
+                self._recv_types[peer] = self._subarray(base, my_out, piece, order)
+                self._recv_counts[peer] = 1
+        self._displs = [0] * nranks
+        self._active = any(self._send_counts) or any(self._recv_counts)
+
+    def _subarray(self, base, whole, piece, order):
+        starts = [p - w for p, w in zip(piece.lower, whole.lower)]
+        dt = base.Create_subarray(list(whole.shape), list(piece.shape), starts, order=order).Commit()
+        self._derived.append(dt)
+        return dt
+
+    def _flat(self, array: np.ndarray, shape: Sequence[int], what: str) -> np.ndarray:
+        if array.shape != tuple(shape) or array.dtype != self.spec.dtype:
+            raise ValueError(f"{what} must have shape {tuple(shape)} and dtype {self.spec.dtype}, got "
+                             f"{array.shape} {array.dtype}")
+        flags = array.flags
+        if not (flags.c_contiguous if self.spec.order == "C" else flags.f_contiguous):
+            raise ValueError(f"{what} must be {self.spec.order}-contiguous")
+        return array.reshape(-1, order=self.spec.order).view(np.uint8)
+
+    def execute(self, src: Any, dst: Any, *, stream: Any = None, sync_symmetric_memory: bool = True) -> None:
+        if self._comm is None:
+            raise RuntimeError("this plan was freed")
+        sbuf = self._flat(src, self.spec.input_box.shape, "source")
+        rbuf = self._flat(dst, self.spec.output_box.shape, "destination")
+        # Every rank takes part, even with nothing to send or receive: peers' plans count on it.
+        self._comm.Alltoallw(
+            [sbuf, (self._send_counts, self._displs), self._send_types],
+            [rbuf, (self._recv_counts, self._displs), self._recv_types],
+        )
+        if self._local is not None:
+            src_sl, dst_sl = self._local
+            dst[dst_sl] = src[src_sl]
+
+    def free(self) -> None:
+        for dt in self._derived:
+            dt.Free()
+        self._derived.clear()
+        if self._owns_base:
+            self._base.Free()
+            self._owns_base = False
+        self._comm = None
+
+
+class MPIEngine(Engine):
+    """CPU ranks of an mpi4py communicator."""
+
+    name: ClassVar[str] = "mpi"
+    packages: ClassVar[tuple[str, ...]] = ("numpy",)
+    operand_packages: ClassVar[tuple[str, ...]] = ("numpy",)
+
+    def __init__(self, communicator: Any) -> None:
+        self.control = MPIControl(communicator)
+        self.data_comm = self.control.comm.Dup()
+        self._windows: dict[int, tuple[int, Any]] = {}  # ptr -> (nbytes, window)
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        try:
+            from mpi4py import MPI  # noqa: F401
+        except ImportError as exc:
+            return f"mpi4py with an MPI library is needed ({exc}); pip install mpi4py mpich"
+        return None
+
+    @classmethod
+    def create(cls, *, device_id: int | None = None, communicator: Any) -> MPIEngine:
+        return cls(communicator)
+
+    def allocate(self, nbytes: int) -> Allocation:
+        from mpi4py import MPI
+
+        win = MPI.Win.Allocate(nbytes, 1, comm=self.data_comm)
+        memory = win.tomemory()
+        ptr = MPI.Get_address(memory) if nbytes else 0
+        if nbytes:
+            self._windows[ptr] = (nbytes, win)
+        return Allocation(nbytes=nbytes, ptr=ptr, handle=(win, memory))
+
+    def free(self, allocation: Allocation) -> None:
+        win, _ = allocation.handle
+        self._windows.pop(allocation.ptr, None)
+        win.Free()
+
+    def as_array(
+        self, allocation: Allocation, shape: Sequence[int], dtype: Any, package: str, order: str = "C"
+    ) -> np.ndarray:
+        if package != "numpy":
+            raise ValueError(f"the mpi engine allocates numpy arrays, not {package}")
+        _, memory = allocation.handle
+        dtype = np.dtype(dtype)
+        if allocation.nbytes == 0:
+            return np.ndarray(tuple(shape), dtype=dtype, order=order)
+        return np.ndarray(tuple(shape), dtype=dtype, buffer=memory, order=order)
+
+    def on_heap(self, array: Any) -> bool:
+        if not isinstance(array, np.ndarray) or array.size == 0:
+            return False
+        ptr = array.__array_interface__["data"][0]
+        return any(lo <= ptr < lo + n for lo, (n, _) in self._windows.items())
+
+    def plan_reshape(self, spec: ReshapeSpec) -> MPIReshapePlan:
+        return MPIReshapePlan(self, spec)
+
+    def finalize(self) -> None:
+        self.data_comm.Free()
+        self.control.free()

@@ -1,0 +1,61 @@
+"""Exception hierarchy of dask_pgas.
+
+Every class subclasses a builtin (so ``except ValueError`` keeps working), is picklable (Dask ships errors from
+workers to clients), and every message says what to do about it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+__all__ = [
+    "BackendUnavailableError",
+    "CollectiveError",
+    "DistributionError",
+    "NotInitializedError",
+    "PGASError",
+    "RuntimeStateError",
+    "SymmetricMemoryError",
+    "SymmetricMemoryLeakWarning",
+    "UnsupportedOperandError",
+]
+
+
+class PGASError(Exception):
+    """Base class of every error raised by dask_pgas."""
+
+
+class NotInitializedError(PGASError, RuntimeError):
+    """The PGAS runtime is used before ``dask_pgas.initialize()``."""
+
+
+class RuntimeStateError(PGASError, RuntimeError):
+    """The runtime is in the wrong state for the call (initialized twice, used after finalize, ...)."""
+
+
+class BackendUnavailableError(PGASError, RuntimeError):
+    """A requested backend cannot be used on this machine (library or device missing)."""
+
+
+class DistributionError(PGASError, ValueError):
+    """Boxes that do not describe a valid distribution (overlap, holes, mismatched domains or dimensions)."""
+
+
+class UnsupportedOperandError(PGASError, TypeError):
+    """An operand of a type, dtype, layout or memory kind the engine cannot use."""
+
+
+class SymmetricMemoryError(PGASError, ValueError):
+    """Misuse of symmetric memory: double free, free of a view or foreign array, mismatched sizes."""
+
+
+class CollectiveError(PGASError, RuntimeError):
+    """A collective operation failed on one or more ranks (raised on every rank)."""
+
+
+class SymmetricMemoryLeakWarning(ResourceWarning):
+    """A symmetric allocation was garbage collected without ``free_symmetric_memory``."""
+
+
+def warn_leak(message: str) -> None:
+    warnings.warn(message, SymmetricMemoryLeakWarning, stacklevel=3)

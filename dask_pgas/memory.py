@@ -1,0 +1,241 @@
+"""Symmetric memory: collective allocation and free, and the registry that catches misuse.
+
+Every allocation is recorded (in allocation order, which is the same on every rank because allocation is
+collective). ``free_symmetric_memory`` refuses double frees, views and foreign arrays on every rank together.
+An array dropped by the garbage collector without a free is reported (:class:`SymmetricMemoryLeakWarning`) and
+stays allocated until :func:`dask_pgas.finalize`: freeing is collective and never runs from ``__del__``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import operator
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._arrays import array_info, package_name, package_of, to_numpy_dtype
+from .engines.base import Allocation, Engine
+from .errors import SymmetricMemoryError, warn_leak
+from .runtime import _require, engine_for_package
+
+__all__ = ["allocate_symmetric_memory", "free_symmetric_memory", "heap_usage", "is_symmetric_memory"]
+
+logger = logging.getLogger("dask_pgas.memory")
+
+
+@dataclass(eq=False)
+class _Record:
+    seq: int
+    engine: Engine
+    allocation: Allocation
+    ref: weakref.ref
+    desc: str
+    collected: bool = False
+
+
+_lock = threading.RLock()
+_seq = itertools.count()
+_live: dict[int, _Record] = {}  # seq -> record, in allocation order
+_by_id: dict[int, int] = {}  # id(array) -> seq (checked against the weakref)
+_freed: dict[int, weakref.ref] = {}  # id(array) -> weakref, to name double frees
+
+
+def _control():
+    return next(iter(_require().values())).control
+
+
+def _agree(control, error: str | None, payload: Any = None) -> list[Any]:
+    """Allgather ``(error, payload)``; raise the first rank's error on every rank."""
+    everything = control.allgather((error, payload))
+    for rank, (err, _) in enumerate(everything):
+        if err is not None:
+            raise SymmetricMemoryError(f"rank {rank}: {err}")
+    return [p for _, p in everything]
+
+
+def _normalize_shape(shape: int | Sequence[int]) -> tuple[int, ...]:
+    if isinstance(shape, int) or hasattr(shape, "__index__"):
+        shape = (shape,)
+    out = tuple(operator.index(n) for n in shape)
+    if any(n < 0 for n in out):
+        raise ValueError(f"negative dimension in shape {out}")
+    return out
+
+
+def allocate_symmetric_memory(
+    shape: int | Sequence[int],
+    package: Any,
+    *,
+    dtype: Any = None,
+    axis_order: str = "C",
+    make_symmetric: bool = False,
+    logger: logging.Logger | None = None,
+) -> Any:
+    """Allocate an array of ``package`` on the symmetric heap of every rank (collective).
+
+    Args:
+        shape: local shape on this rank.
+        package: ``numpy`` (``"mpi"`` backend), ``cupy`` or ``torch`` (``"nvshmem"`` backend); module or name.
+        dtype: element type (default float64).
+        axis_order: ``"C"`` or ``"F"``.
+        make_symmetric: pad every rank's allocation to the largest request. Without it, different byte sizes on
+            different ranks raise :class:`SymmetricMemoryError` on every rank.
+
+    The array must be released with :func:`free_symmetric_memory` on every rank.
+    """
+    log = logger or globals()["logger"]
+    pkg = package_name(package)
+    engine = engine_for_package(pkg, allocation=True)
+    error, nbytes, desc = None, 0, ""
+    try:
+        dims = _normalize_shape(shape)
+        np_dtype = to_numpy_dtype("float64" if dtype is None else dtype)
+        if axis_order not in ("C", "F"):
+            raise ValueError(f"axis_order must be 'C' or 'F', not {axis_order!r}")
+        nbytes = math.prod(dims) * np_dtype.itemsize
+        desc = f"{pkg} {dims} {np_dtype}"
+    except (TypeError, ValueError) as exc:
+        error = str(exc)
+    with _lock:
+        sizes = _agree(engine.control, error, nbytes)
+        if not make_symmetric and len(set(sizes)) > 1:
+            raise SymmetricMemoryError(
+                f"ranks asked for different sizes {sizes} (bytes, by rank); pass make_symmetric=True to pad "
+                "every allocation to the largest"
+            )
+        allocation = engine.allocate(max(sizes))
+        array = engine.as_array(allocation, dims, np_dtype if dtype is None else dtype, pkg, axis_order)
+        _register(engine, allocation, array, desc)
+    log.debug("allocated symmetric %s (%d bytes on every rank)", desc, allocation.nbytes)
+    return array
+
+
+def _register(engine: Engine, allocation: Allocation, array: Any, desc: str) -> None:
+    seq = next(_seq)
+    rec = _Record(seq, engine, allocation, weakref.ref(array), desc)
+    _live[seq] = rec
+    _by_id[id(array)] = seq
+    weakref.finalize(array, _collected, seq)
+
+
+def _collected(seq: int) -> None:
+    rec = _live.get(seq)
+    if rec is None:  # freed properly
+        return
+    rec.collected = True
+    warn_leak(
+        f"symmetric memory ({rec.desc}, {rec.allocation.nbytes} bytes) was garbage collected without "
+        "free_symmetric_memory(); it stays allocated until dask_pgas.finalize()"
+    )
+
+
+def _lookup(array: Any) -> tuple[_Record | None, str | None]:
+    seq = _by_id.get(id(array))
+    if seq is not None:
+        rec = _live.get(seq)
+        if rec is not None and rec.ref() is array:
+            return rec, None
+    ref = _freed.get(id(array))
+    if ref is not None and ref() is array:
+        return None, "this array was already freed (double free)"
+    if package_of(array) is None:
+        return None, f"expected an array returned by allocate_symmetric_memory, got {type(array).__name__}"
+    info = array_info(array)
+    for rec in _live.values():
+        lo = rec.allocation.ptr
+        if rec.allocation.nbytes and lo <= info.ptr < lo + rec.allocation.nbytes:
+            return None, (
+                f"the array is a view of symmetric memory ({rec.desc}); free the array that "
+                "allocate_symmetric_memory returned"
+            )
+    return None, "the array was not allocated by dask_pgas.allocate_symmetric_memory"
+
+
+def is_symmetric_memory(array: Any) -> bool:
+    """Whether ``array`` is (a view into) memory from :func:`allocate_symmetric_memory`; local, not collective."""
+    rec, err = _lookup(array)
+    return rec is not None or (err is not None and "view of symmetric memory" in err)
+
+
+def free_symmetric_memory(*arrays: Any) -> None:
+    """Free arrays allocated by :func:`allocate_symmetric_memory` (collective: every rank passes its own
+    arrays of the same allocations, in the same order).
+
+    Raises :class:`SymmetricMemoryError` on every rank, freeing nothing, when any rank passes a view, an array
+    not allocated here, an array freed before, or a different set of allocations.
+    """
+    with _lock:
+        control = _control()
+        records, error = [], None
+        for i, array in enumerate(arrays):
+            rec, err = _lookup(array)
+            if err is not None:
+                error = f"argument {i}: {err}"
+                break
+            records.append(rec)
+        if error is None and len({r.seq for r in records}) != len(records):
+            error = "the same array is passed twice"
+        seqs = _agree(control, error, [r.seq for r in records])
+        if len({tuple(s) for s in seqs}) > 1:
+            raise SymmetricMemoryError(
+                f"ranks free different allocations (allocation numbers by rank: {seqs}); every rank must free "
+                "its arrays of the same allocations in the same order"
+            )
+        for rec, array in zip(records, arrays):
+            _forget(rec)
+            _freed[id(array)] = weakref.ref(array, lambda _, key=id(array): _freed.pop(key, None))
+            rec.engine.free(rec.allocation)
+
+
+def _forget(rec: _Record) -> None:
+    _live.pop(rec.seq, None)
+    arr = rec.ref()
+    if arr is not None and _by_id.get(id(arr)) == rec.seq:
+        del _by_id[id(arr)]
+
+
+def _allocate_internal(engine: Engine, shape: Sequence[int], dtype: Any, package: str, order: str) -> Any:
+    """Padded symmetric allocation made by the library itself (for example a reshape result)."""
+    dims = tuple(shape)
+    nbytes = math.prod(dims) * to_numpy_dtype(dtype).itemsize
+    with _lock:
+        size = max(engine.control.allgather(nbytes))
+        allocation = engine.allocate(size)
+        array = engine.as_array(allocation, dims, dtype, package, order)
+        _register(engine, allocation, array, f"{package} {dims} {to_numpy_dtype(dtype)}")
+    return array
+
+
+def _free_all(engine: Engine) -> None:
+    """Collective, at finalize: free what is left of ``engine``'s allocations, in allocation order."""
+    with _lock:
+        left = [rec for rec in _live.values() if rec.engine is engine]
+        if left:
+            logger.warning(
+                "finalize() frees %d symmetric allocation(s) never freed explicitly: %s",
+                len(left), ", ".join(r.desc for r in left),
+            )
+        for rec in left:
+            _forget(rec)
+            engine.free(rec.allocation)
+
+
+def heap_usage(backend: str | None = None) -> dict[str, int]:
+    """Live symmetric allocations of this rank: count, bytes, how many were garbage collected unfreed, plus
+    the engine's own figures (for example the NVSHMEM heap size)."""
+    engines = _require()
+    with _lock:
+        recs = [r for r in _live.values() if backend is None or r.engine.name == backend]
+        out = {
+            "allocations": len(recs),
+            "bytes": sum(r.allocation.nbytes for r in recs),
+            "collected_unfreed": sum(r.collected for r in recs),
+        }
+    if backend is not None:
+        out.update(engines[backend].heap_info())
+    return out

@@ -1,0 +1,319 @@
+"""Distributed reshape: change which rank holds which box of a global array.
+
+Mirrors ``nvmath.distributed.reshape``: a stateful :class:`Reshape` (plan once, execute many times, free) and
+the function form :func:`reshape`. Every rank passes its own operand and its own input and output boxes.
+
+All checks are collective: each rank describes its call, the descriptions are exchanged, and every rank runs
+the same checks on the same data, so every rank raises the same exception and none is left waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from . import errors
+from ._arrays import array_info, package_of
+from .distribution import Box
+from .engines.base import Engine, ReshapePlan, ReshapeSpec
+from .errors import (
+    BackendUnavailableError,
+    DistributionError,
+    RuntimeStateError,
+    SymmetricMemoryError,
+    UnsupportedOperandError,
+)
+from .geometry.boxes import bounding_box, tiling_error
+from .memory import _allocate_internal, _control, is_symmetric_memory
+from .runtime import engine_for_package
+
+__all__ = ["Reshape", "ReshapeOptions", "reshape"]
+
+_log = logging.getLogger("dask_pgas.reshape")
+
+
+@dataclass
+class ReshapeOptions:
+    """Options of a reshape.
+
+    Attributes:
+        logger: where plan and execution details are logged (default: the ``dask_pgas.reshape`` logger).
+        blocking: ``True`` waits for completion; ``"auto"`` blocks for host operands and is stream-ordered
+            (returns at once) for GPU operands.
+    """
+
+    logger: logging.Logger | None = None
+    blocking: bool | Literal["auto"] = "auto"
+
+    def __post_init__(self) -> None:
+        if self.blocking not in (True, False, "auto"):
+            raise ValueError(f"blocking must be True, False or 'auto', not {self.blocking!r}")
+
+
+def _options(options: ReshapeOptions | dict | None) -> ReshapeOptions:
+    if options is None:
+        return ReshapeOptions()
+    if isinstance(options, dict):
+        return ReshapeOptions(**options)
+    if isinstance(options, ReshapeOptions):
+        return options
+    raise TypeError(f"options must be a ReshapeOptions or a dict, not {type(options).__name__}")
+
+
+# exceptions that a description may carry from one rank to all (by name, so nothing is unpickled blindly)
+_RAISABLE = {
+    cls.__name__: cls
+    for cls in (
+        DistributionError, UnsupportedOperandError, SymmetricMemoryError, BackendUnavailableError,
+        TypeError, ValueError,
+    )
+}
+
+
+def _raise_first(descs: list[dict]) -> None:
+    for rank, d in enumerate(descs):
+        if d["error"] is not None:
+            name, msg = d["error"]
+            raise _RAISABLE.get(name, errors.CollectiveError)(f"rank {rank}: {msg}")
+
+
+def _by_rank(values: list[Any]) -> str:
+    return ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+
+
+class Reshape:
+    """A planned redistribution of ``operand`` from ``input_box`` to ``output_box`` (all ranks call it).
+
+    Args:
+        operand: this rank's piece: a NumPy array (any rank count, MPI or staged through the GPU), or a CuPy
+            array / torch tensor on the symmetric heap (``"nvshmem"`` backend). Its shape is the input box's.
+        input_box: the part of the global array this rank holds (a :class:`Box` or a ``(lower, upper)`` pair).
+        output_box: the part this rank will hold after the reshape.
+        options: :class:`ReshapeOptions` or a dict of its fields.
+        stream: CUDA stream (CuPy/torch stream or raw handle) for GPU operands; ignored on CPU.
+
+    The result of :meth:`execute` is a new array of the output box's shape, of the operand's package, in the
+    operand's memory order. When the operand is symmetric memory the result is symmetric memory too (padded to
+    the largest output box) and must be freed with :func:`dask_pgas.free_symmetric_memory`.
+    """
+
+    def __init__(
+        self,
+        operand: Any,
+        /,
+        input_box: Box | Any,
+        output_box: Box | Any,
+        *,
+        options: ReshapeOptions | dict | None = None,
+        stream: Any = None,
+    ) -> None:
+        self.options = _options(options)
+        self.logger = self.options.logger or _log
+        self._stream = stream
+        self._plan: ReshapePlan | None = None
+        self._freed = False
+        control = _control()
+        desc, engine = self._describe(operand, input_box, output_box)
+        descs = control.allgather(desc)
+        _raise_first(descs)
+        self._check_global(descs)
+        self._engine: Engine = engine
+        self._package: str = desc["package"]
+        self._symmetric: bool = desc["symmetric"]
+        self._spec = ReshapeSpec(
+            input_boxes=tuple(Box(*d["in"]) for d in descs),
+            output_boxes=tuple(Box(*d["out"]) for d in descs),
+            dtype=desc["np_dtype"],
+            order=self._order(descs),
+            rank=control.rank,
+        )
+        self._operand = self._conform(operand)
+        self.logger.debug(
+            "rank %d: reshape %s -> %s (%s, order %s, %d ranks) on the %s engine",
+            control.rank, self._spec.input_box, self._spec.output_box, self._spec.dtype, self._spec.order,
+            self._spec.nranks, engine.name,
+        )
+
+    # -- collective validation ------------------------------------------------------------------------------
+    @staticmethod
+    def _describe(operand: Any, input_box: Any, output_box: Any) -> tuple[dict, Engine | None]:
+        desc: dict[str, Any] = {"error": None, "in": None, "out": None, "package": package_of(operand)}
+        engine = None
+        try:
+            ibox, obox = Box.from_any(input_box), Box.from_any(output_box)
+            desc["in"], desc["out"] = (ibox.lower, ibox.upper), (obox.lower, obox.upper)
+            if desc["package"] is None:
+                raise UnsupportedOperandError(
+                    f"operand must be a numpy.ndarray, cupy.ndarray or torch.Tensor, not {type(operand).__name__}"
+                )
+            info = array_info(operand)
+            engine = engine_for_package(info.package)
+            desc.update(
+                dtype=info.dtype.descr if info.dtype.fields else info.dtype.str, np_dtype=info.dtype,
+                c=info.c_contiguous, f=info.f_contiguous,
+                symmetric=engine.on_heap(operand) or is_symmetric_memory(operand),
+            )
+            if info.dtype.hasobject:
+                raise UnsupportedOperandError("object arrays cannot be reshaped across processes")
+            if ibox.ndim != obox.ndim:
+                raise DistributionError(f"input box {ibox} and output box {obox} differ in dimensionality")
+            if tuple(info.shape) != ibox.shape:
+                raise DistributionError(
+                    f"operand shape {tuple(info.shape)} does not match its input box {ibox} (shape {ibox.shape})"
+                )
+            on_gpu = engine.requires_symmetric_operands and info.package in engine.packages
+            if on_gpu and not desc["symmetric"]:
+                raise SymmetricMemoryError(
+                    f"the {info.package} operand is not on the symmetric heap; allocate it with "
+                    "dask_pgas.allocate_symmetric_memory (or copy it there)"
+                )
+            if on_gpu and not (info.c_contiguous or info.f_contiguous):
+                raise UnsupportedOperandError(
+                    "a non-contiguous GPU operand cannot be reshaped in place; pass a contiguous symmetric array"
+                )
+        except (BackendUnavailableError, DistributionError, UnsupportedOperandError, SymmetricMemoryError,
+                TypeError, ValueError) as exc:
+            desc["error"] = (type(exc).__name__, str(exc))
+        return desc, engine
+
+    @staticmethod
+    def _check_global(descs: list[dict]) -> None:
+        ndims = [len(d["in"][0]) for d in descs] + [len(d["out"][0]) for d in descs]
+        if len(set(ndims)) > 1:
+            raise DistributionError(
+                f"boxes differ in dimensionality across ranks ({_by_rank(ndims[: len(descs)])})"
+            )
+        for key, what in (("package", "array packages"), ("dtype", "dtypes")):
+            values = [d[key] for d in descs]
+            if any(v != values[0] for v in values):
+                raise UnsupportedOperandError(f"operands have different {what} across ranks ({_by_rank(values)})")
+        sym = [d["symmetric"] for d in descs]
+        if any(sym) and not all(sym):
+            raise SymmetricMemoryError(
+                "the operand is symmetric memory on ranks "
+                f"{[r for r, s in enumerate(sym) if s]} but not on ranks {[r for r, s in enumerate(sym) if not s]}; "
+                "pass symmetric memory on every rank or on none"
+            )
+        ins = [Box(*d["in"]) for d in descs]
+        outs = [Box(*d["out"]) for d in descs]
+        for boxes, what in ((ins, "input boxes"), (outs, "output boxes")):
+            msg = tiling_error(boxes, what)
+            if msg:
+                raise DistributionError(msg)
+        din, dout = bounding_box(ins), bounding_box(outs)
+        if din != dout:
+            raise DistributionError(
+                f"input boxes cover {din} but output boxes cover {dout}: both must tile the same global domain"
+            )
+
+    @staticmethod
+    def _order(descs: list[dict]) -> str:
+        if all(d["c"] for d in descs):
+            return "C"
+        if all(d["f"] for d in descs):
+            return "F"
+        return "C"
+
+    def _conform(self, operand: Any) -> Any:
+        """The operand in the plan's memory order (a copy only for host operands in another layout)."""
+        info = array_info(operand)
+        dense = info.c_contiguous if self._spec.order == "C" else info.f_contiguous
+        if dense:
+            return operand
+        if self._package != "numpy":
+            raise UnsupportedOperandError(f"GPU operand is not {self._spec.order}-contiguous like the other ranks'")
+        return np.asarray(operand, order=self._spec.order)
+
+    # -- public API -----------------------------------------------------------------------------------------
+    @property
+    def spec(self) -> ReshapeSpec:
+        return self._spec
+
+    def _check_live(self) -> None:
+        if self._freed:
+            raise RuntimeStateError("this Reshape was freed; create a new one")
+
+    def plan(self) -> None:
+        """Plan the reshape (collective)."""
+        self._check_live()
+        if self._plan is None:
+            self._plan = self._engine.plan_reshape(self._spec)
+
+    def reset_operand(self, operand: Any) -> None:
+        """Use a new operand of the same shape, dtype, package and memory kind (collective)."""
+        self._check_live()
+        error = None
+        try:
+            if package_of(operand) != self._package:
+                raise UnsupportedOperandError(f"new operand must be a {self._package} array")
+            info = array_info(operand)
+            if info.shape != self._spec.input_box.shape or info.dtype != self._spec.dtype:
+                raise UnsupportedOperandError(
+                    f"new operand has shape {info.shape} and dtype {info.dtype}; the plan needs "
+                    f"{self._spec.input_box.shape} and {self._spec.dtype}"
+                )
+            symmetric = self._engine.on_heap(operand) or is_symmetric_memory(operand)
+            if symmetric != self._symmetric:
+                raise SymmetricMemoryError(
+                    "new operand must " + ("" if self._symmetric else "not ") + "be symmetric memory, like the first"
+                )
+        except (UnsupportedOperandError, SymmetricMemoryError) as exc:
+            error = (type(exc).__name__, str(exc))
+        _raise_first([{"error": e} for e in self._engine.control.allgather(error)])
+        self._operand = self._conform(operand)
+
+    def execute(self, *, stream: Any = None, sync_symmetric_memory: bool = True) -> Any:
+        """Run the reshape (collective) and return this rank's output box as a new array."""
+        self._check_live()
+        if self._plan is None:
+            raise RuntimeStateError("call plan() before execute()")
+        shape, order = self._spec.output_box.shape, self._spec.order
+        if self._symmetric:
+            result = _allocate_internal(self._engine, shape, self._spec.dtype, self._package, order)
+        else:
+            result = self._engine.empty(shape, self._spec.dtype, self._package, order)
+        stream = stream if stream is not None else self._stream
+        self._plan.execute(self._operand, result, stream=stream, sync_symmetric_memory=sync_symmetric_memory)
+        blocking = self.options.blocking
+        if blocking is True or (blocking == "auto" and self._package == "numpy"):
+            synchronize = getattr(self._plan, "synchronize", None)
+            if synchronize is not None:
+                synchronize(stream)
+        return result
+
+    def free(self) -> None:
+        """Release the plan (collective). Idempotent."""
+        if self._freed:
+            return
+        self._freed = True
+        if self._plan is not None:
+            plan, self._plan = self._plan, None
+            plan.free()
+
+    def __enter__(self) -> Reshape:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()
+
+
+def reshape(
+    operand: Any,
+    /,
+    input_box: Box | Any,
+    output_box: Box | Any,
+    *,
+    sync_symmetric_memory: bool = True,
+    options: ReshapeOptions | dict | None = None,
+    stream: Any = None,
+) -> Any:
+    """Redistribute ``operand`` from ``input_box`` to ``output_box`` on every rank (collective).
+
+    A convenience wrapper of :class:`Reshape`; returns this rank's output box as a new array.
+    """
+    with Reshape(operand, input_box, output_box, options=options, stream=stream) as r:
+        r.plan()
+        return r.execute(sync_symmetric_memory=sync_symmetric_memory)
