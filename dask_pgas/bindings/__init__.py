@@ -1,0 +1,38 @@
+"""ctypes bindings of the C libraries the GPU engine needs, loaded lazily (nothing loads at import).
+
+* :mod:`.cuda`: the few CUDA driver calls (``libcuda.so.1``) the engine needs (device selection, copies);
+* :mod:`.nvshmem`: the NVSHMEM host API (``libnvshmem_host.so.3`` from ``nvidia-nvshmem-cu12``/``-cu13``);
+* :mod:`.cufftmp`: cuFFTMp's reshape (``libcufftMp.so.11``/``.12`` from ``nvidia-cufftmp-cu12``/``-cu13``).
+
+These are the only modules of dask_pgas that import :mod:`ctypes`. Every loader raises
+:class:`LibraryNotFound` (an ImportError) naming the missing library or symbol and the package extra that provides it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+__all__ = ["LibraryNotFound", "extra_hint", "find_in_site_packages"]
+
+
+class LibraryNotFound(ImportError):
+    """A shared library (or one of its symbols) the GPU engine needs is not installed."""
+
+
+def extra_hint() -> str:
+    return 'install the GPU extra: pip install "dask_pgas[cuda13]" (CUDA 13) or "dask_pgas[cuda12]" (CUDA 12)'
+
+
+def find_in_site_packages(relpaths: list[str], env: str | None = None) -> str | None:
+    """First existing file among ``relpaths`` under any ``sys.path`` entry (or the path in ``$env``)."""
+    if env and os.environ.get(env):
+        return os.environ[env]
+    for base in sys.path:
+        if not base or not os.path.isdir(base):
+            continue
+        for rel in relpaths:
+            cand = os.path.join(base, rel)
+            if os.path.exists(cand):
+                return cand
+    return None

@@ -1,0 +1,90 @@
+"""The few CUDA driver API calls the GPU engine needs (``libcuda.so.1``, present wherever a driver is)."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+from . import LibraryNotFound
+
+__all__ = ["CudaDriver", "CudaError", "driver"]
+
+_lock = threading.Lock()
+_driver: CudaDriver | None = None
+
+
+class CudaError(RuntimeError):
+    pass
+
+
+class CudaDriver:
+    def __init__(self) -> None:
+        try:
+            self.lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            raise LibraryNotFound(f"the CUDA driver (libcuda.so.1) is not available: {exc}") from None
+        lib = self.lib
+        vp, c_int, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+        sigs = {
+            "cuInit": [ctypes.c_uint],
+            "cuDeviceGetCount": [ctypes.POINTER(c_int)],
+            "cuDeviceGet": [ctypes.POINTER(c_int), c_int],
+            "cuDevicePrimaryCtxRetain": [ctypes.POINTER(vp), c_int],
+            "cuCtxSetCurrent": [vp],
+            "cuCtxGetCurrent": [ctypes.POINTER(vp)],
+            "cuCtxSynchronize": [],
+            "cuMemcpy": [ctypes.c_uint64, ctypes.c_uint64, sz],
+            "cuMemcpyAsync": [ctypes.c_uint64, ctypes.c_uint64, sz, vp],
+            "cuStreamSynchronize": [vp],
+            "cuGetErrorString": [c_int, ctypes.POINTER(ctypes.c_char_p)],
+        }
+        for name, args in sigs.items():
+            fn = getattr(lib, name)
+            fn.argtypes = args
+            fn.restype = c_int
+        self._init = False
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            msg = ctypes.c_char_p()
+            self.lib.cuGetErrorString(rc, ctypes.byref(msg))
+            raise CudaError(f"{what} failed: CUDA error {rc} ({(msg.value or b'?').decode()})")
+
+    def init(self) -> None:
+        if not self._init:
+            self.check(self.lib.cuInit(0), "cuInit")
+            self._init = True
+
+    def device_count(self) -> int:
+        self.init()
+        n = ctypes.c_int()
+        self.check(self.lib.cuDeviceGetCount(ctypes.byref(n)), "cuDeviceGetCount")
+        return n.value
+
+    def make_current(self, ordinal: int) -> None:
+        """Retain device ``ordinal``'s primary context (the one CuPy and torch use) and make it current."""
+        self.init()
+        dev = ctypes.c_int()
+        self.check(self.lib.cuDeviceGet(ctypes.byref(dev), ordinal), f"cuDeviceGet({ordinal})")
+        ctx = ctypes.c_void_p()
+        self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+        self.check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+    def memcpy(self, dst: int, src: int, nbytes: int) -> None:
+        if nbytes:
+            self.check(self.lib.cuMemcpy(dst, src, nbytes), "cuMemcpy")
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        if nbytes:
+            self.check(self.lib.cuMemcpyAsync(dst, src, nbytes, ctypes.c_void_p(stream or None)), "cuMemcpyAsync")
+
+    def stream_synchronize(self, stream: int) -> None:
+        self.check(self.lib.cuStreamSynchronize(ctypes.c_void_p(stream or None)), "cuStreamSynchronize")
+
+
+def driver() -> CudaDriver:
+    global _driver
+    with _lock:
+        if _driver is None:
+            _driver = CudaDriver()
+        return _driver

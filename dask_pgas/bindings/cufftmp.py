@@ -1,0 +1,135 @@
+"""ctypes binding of cuFFTMp's distributed reshape (``libcufftMp.so.12`` of ``nvidia-cufftmp-cu13``,
+``libcufftMp.so.11`` of ``nvidia-cufftmp-cu12``).
+
+Traps handled here (see the project notes): the exported ``cufftMpMakeReshape`` is the OLD ABI, so
+``__cufftMpMakeReshape_11_4`` (strides beside the boxes) is bound; the library is loaded with
+``RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND`` because it exports the same ``cufft*`` names as ``libcufft`` (which CuPy or
+torch may have loaded); NVSHMEM's host library is loaded first (RTLD_GLOBAL) so cuFFTMp shares it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Sequence
+
+from . import LibraryNotFound, extra_hint, find_in_site_packages
+from . import nvshmem as _nvshmem
+
+__all__ = ["CUFFT_COMM_NONE", "CuFFTMp", "CuFFTMpError", "library_path", "load"]
+
+CUFFT_COMM_MPI = 0
+CUFFT_COMM_NONE = 1
+
+_RESULTS = {
+    0: "CUFFT_SUCCESS", 1: "CUFFT_INVALID_PLAN", 2: "CUFFT_ALLOC_FAILED", 3: "CUFFT_INVALID_TYPE",
+    4: "CUFFT_INVALID_VALUE", 5: "CUFFT_INTERNAL_ERROR", 6: "CUFFT_EXEC_FAILED", 7: "CUFFT_SETUP_FAILED",
+    8: "CUFFT_INVALID_SIZE", 9: "CUFFT_UNALIGNED_DATA", 11: "CUFFT_INVALID_DEVICE", 14: "CUFFT_NO_WORKSPACE",
+    15: "CUFFT_NOT_IMPLEMENTED", 16: "CUFFT_NOT_SUPPORTED",
+}
+
+_CANDIDATES = [
+    "nvidia/cufftmp/cu13/lib/libcufftMp.so.12",
+    "nvidia/cufftmp/cu12/lib/libcufftMp.so.11",
+    "nvidia/cufftmp/lib/libcufftMp.so.12",
+    "nvidia/cufftmp/lib/libcufftMp.so.11",
+]
+
+
+class CuFFTMpError(RuntimeError):
+    def __init__(self, what: str, code: int) -> None:
+        super().__init__(f"{what} failed with {_RESULTS.get(code, 'cufftResult')} ({code})")
+        self.code = code
+
+
+def library_path() -> str | None:
+    return find_in_site_packages(_CANDIDATES, env="DASK_PGAS_CUFFTMP_LIB")
+
+
+_LL3 = ctypes.c_longlong * 3
+
+
+class CuFFTMp:
+    def __init__(self, path: str) -> None:
+        _nvshmem.load()  # the NVSHMEM host library must be in the process first (RTLD_GLOBAL)
+        mode = os.RTLD_NOW | os.RTLD_LOCAL | getattr(os, "RTLD_DEEPBIND", 0)
+        try:
+            self.lib = ctypes.CDLL(path, mode=mode)
+        except OSError as exc:
+            raise LibraryNotFound(f"cannot load cuFFTMp {path}: {exc}; {extra_hint()}") from None
+        self.path = path
+        vp, c_int, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+        p_ll = ctypes.POINTER(ctypes.c_longlong)
+        sigs = {
+            "cufftMpCreateReshape": [ctypes.POINTER(vp)],
+            "__cufftMpMakeReshape_11_4": [vp, sz, c_int, p_ll, p_ll, p_ll, p_ll, p_ll, p_ll, vp, c_int],
+            "cufftMpGetReshapeSize": [vp, ctypes.POINTER(sz)],
+            "cufftMpExecReshapeAsync": [vp, vp, vp, vp, vp],
+            "cufftMpDestroyReshape": [vp],
+        }
+        for name, args in sigs.items():
+            try:
+                fn = getattr(self.lib, name)
+            except AttributeError:
+                raise LibraryNotFound(
+                    f"symbol {name} is missing from {path}: cuFFTMp >= 11.4 is needed ({extra_hint()})"
+                ) from None
+            fn.argtypes = args
+            fn.restype = c_int
+        self._make = getattr(self.lib, "__cufftMpMakeReshape_11_4")
+
+    @staticmethod
+    def _check(rc: int, what: str) -> None:
+        if rc != 0:
+            raise CuFFTMpError(what, rc)
+
+    def create(self) -> int:
+        h = ctypes.c_void_p()
+        self._check(self.lib.cufftMpCreateReshape(ctypes.byref(h)), "cufftMpCreateReshape")
+        return h.value
+
+    def make(
+        self,
+        handle: int,
+        element_size: int,
+        lower_in: Sequence[int], upper_in: Sequence[int], strides_in: Sequence[int],
+        lower_out: Sequence[int], upper_out: Sequence[int], strides_out: Sequence[int],
+    ) -> None:
+        """Collective. 3-D boxes in global coordinates, strides in elements (row-major, decreasing)."""
+        arrays = [_LL3(*map(int, v)) for v in (lower_in, upper_in, strides_in, lower_out, upper_out, strides_out)]
+        rc = self._make(ctypes.c_void_p(handle), element_size, 3, *arrays, None, CUFFT_COMM_NONE)
+        self._check(rc, "cufftMpMakeReshape")
+
+    def workspace_size(self, handle: int) -> int:
+        n = ctypes.c_size_t()
+        self._check(self.lib.cufftMpGetReshapeSize(ctypes.c_void_p(handle), ctypes.byref(n)), "cufftMpGetReshapeSize")
+        return n.value
+
+    def execute(self, handle: int, out: int, inp: int, workspace: int, stream: int) -> None:
+        rc = self.lib.cufftMpExecReshapeAsync(
+            ctypes.c_void_p(handle), ctypes.c_void_p(out), ctypes.c_void_p(inp),
+            ctypes.c_void_p(workspace or None), ctypes.c_void_p(stream or None),
+        )
+        self._check(rc, "cufftMpExecReshapeAsync")
+
+    def destroy(self, handle: int) -> None:
+        self._check(self.lib.cufftMpDestroyReshape(ctypes.c_void_p(handle)), "cufftMpDestroyReshape")
+
+
+_lock = threading.Lock()
+_instance: CuFFTMp | None = None
+
+
+def load() -> CuFFTMp:
+    global _instance
+    with _lock:
+        if _instance is None:
+            path = library_path()
+            if path is None:
+                raise LibraryNotFound(
+                    "cuFFTMp (libcufftMp.so.12 from nvidia-cufftmp-cu13, or libcufftMp.so.11 from "
+                    f"nvidia-cufftmp-cu12) was not found; {extra_hint()}"
+                )
+            _instance = CuFFTMp(path)
+        return _instance

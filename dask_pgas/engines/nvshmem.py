@@ -1,0 +1,639 @@
+"""GPU engine: NVSHMEM symmetric heap and cuFFTMp reshape, through the PyPI wheels (ctypes, no compiled code).
+
+* Bring-up: unique-id bootstrap (rank 0 makes the id, it travels over mpi4py or by any other channel), so
+  NVSHMEM's own MPI plugin (built for Open MPI only) is never used. :func:`initialize_from_uniqueid` brings the
+  engine up without MPI at all (the Dask integration hands the id through the scheduler); its control plane then
+  runs on NVSHMEM itself.
+* Symmetric memory: ``nvshmem_malloc``/``nvshmem_free``, wrapped zero-copy as CuPy arrays or torch tensors;
+  "is this on the heap" is ``nvshmem_ptr(p, my_pe) != NULL``.
+* Reshape: one cuFFTMp reshape handle per plan (``CUFFT_COMM_NONE``) with the boxes described in 3-D words by
+  :mod:`dask_pgas.geometry.cufftmp_layout`. A reshape in which every rank keeps its own box is a device copy (no
+  collective). Layouts cuFFTMp cannot express (element sizes that do not pack, boxes cuFFTMp rejects) fall back,
+  when every peer's heap is mapped (one node), to device copies that pull each piece from the peer's memory.
+  NumPy operands are staged through symmetric buffers of the plan and come back as NumPy.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import pickle
+import socket
+import struct
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..distribution import Box
+from ..errors import BackendUnavailableError, UnsupportedOperandError
+from .base import Allocation, ControlPlane, Engine, ReshapePlan, ReshapeSpec
+
+__all__ = [
+    "NVSHMEMControl",
+    "NVSHMEMEngine",
+    "NVSHMEMReshapePlan",
+    "apply_env_defaults",
+    "get_nvshmem_uniqueid",
+    "initialize_from_uniqueid",
+    "parse_size",
+    "stream_handle",
+]
+
+_EXTRA = 'pip install "dask_pgas[cuda13]" (CUDA 13) or "dask_pgas[cuda12]" (CUDA 12)'
+
+
+# -- environment ------------------------------------------------------------------------------------------------
+def parse_size(text: str | int | None, default: int = 1 << 30) -> int:
+    """NVSHMEM-style size: ``1073741824``, ``512M``, ``4g``, ``1GiB`` (binary multiples)."""
+    if text is None or text == "":
+        return default
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().lower().removesuffix("ib").removesuffix("b")
+    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    if s and s[-1] in mult:
+        return int(float(s[:-1]) * mult[s[-1]])
+    return int(float(s))
+
+
+def apply_env_defaults(single_node: bool | None, environ: dict | None = None) -> dict[str, str]:
+    """Set NVSHMEM's environment before it initializes; the user's own settings win.
+
+    * ``NVSHMEM_DISABLE_NVLS=1`` unless the user set it to ``0`` explicitly (NVLink multicast can take a shared
+      host's GPUs out of service);
+    * one node (``single_node``): ``NVSHMEM_REMOTE_TRANSPORT=none`` and ``NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo``;
+    * ``DASK_PGAS_HEAP_SIZE`` (e.g. ``4g``) becomes ``NVSHMEM_SYMMETRIC_SIZE`` unless that is set;
+    * ``NVSHMEM_DISABLE_NCCL=1`` (the engine uses no NVSHMEM team collectives; silences a warning when several
+      processes share a GPU).
+
+    Returns the variables it set.
+    """
+    env = os.environ if environ is None else environ
+    before = dict(env)
+    if env.get("NVSHMEM_DISABLE_NVLS", "").strip() != "0":
+        env["NVSHMEM_DISABLE_NVLS"] = "1"
+    if single_node:
+        env.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+        env.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
+    heap = env.get("DASK_PGAS_HEAP_SIZE")
+    if heap:
+        env.setdefault("NVSHMEM_SYMMETRIC_SIZE", heap)
+    env.setdefault("NVSHMEM_DISABLE_NCCL", "1")
+    return {k: v for k, v in env.items() if before.get(k) != v}
+
+
+# -- array helpers (CuPy and torch are imported only when used) -------------------------------------------------
+def stream_handle(stream: Any, package: str | None = None) -> int:
+    """Raw ``cudaStream_t`` of a CuPy/torch/cuda.core stream, an int handle, or the package's current stream."""
+    if stream is None:
+        if package == "cupy":
+            import cupy
+
+            return int(cupy.cuda.get_current_stream().ptr)
+        if package == "torch":
+            import torch
+
+            return int(torch.cuda.current_stream().cuda_stream)
+        return 0
+    if isinstance(stream, int):
+        return stream
+    proto = getattr(stream, "__cuda_stream__", None)
+    if proto is not None:
+        value = proto() if callable(proto) else proto
+        return int(value[1])
+    for attr in ("ptr", "cuda_stream", "handle"):
+        value = getattr(stream, attr, None)
+        if value is not None:
+            return int(value)
+    raise TypeError(f"stream must be a CuPy or torch stream or an int handle, not {type(stream).__name__}")
+
+
+def _ptr(array: Any) -> int:
+    if isinstance(array, np.ndarray):
+        return array.__array_interface__["data"][0]
+    mod = type(array).__module__
+    if mod.startswith("cupy"):
+        return int(array.data.ptr)
+    return int(array.data_ptr())
+
+
+def _package(array: Any) -> str:
+    if isinstance(array, np.ndarray):
+        return "numpy"
+    return "cupy" if type(array).__module__.startswith("cupy") else "torch"
+
+
+class _CAI:
+    """A raw device buffer exposing ``__cuda_array_interface__`` (bytes), for torch.as_tensor."""
+
+    def __init__(self, ptr: int, nbytes: int, owner: Any) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None,
+            "stream": None,
+        }
+        self._owner = owner
+
+
+def _torch_dtype(torch: Any, dtype: Any) -> Any:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = np.dtype(dtype).name
+    out = getattr(torch, name, None)
+    if not isinstance(out, torch.dtype):
+        raise UnsupportedOperandError(f"torch has no dtype matching {np.dtype(dtype)}")
+    return out
+
+
+def _word_view(ptr: int, shape: Sequence[int], itemsize: int, device: int, owner: Any = None) -> Any:
+    """A C-ordered device array of ``shape`` + (words,) over raw memory, with the widest integer word that
+    divides ``itemsize`` (for copies of any element type). CuPy if installed, else torch."""
+    word = next(w for w in (8, 4, 2, 1) if itemsize % w == 0)
+    full = (*shape, itemsize // word)
+    nbytes = math.prod(full) * word
+    if importlib.util.find_spec("cupy") is not None:
+        import cupy
+
+        mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner, device_id=device)
+        return cupy.ndarray(full, dtype=f"<i{word}", memptr=cupy.cuda.MemoryPointer(mem, 0))
+    import torch
+
+    t = torch.as_tensor(_CAI(ptr, nbytes, owner), device=f"cuda:{device}")
+    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]).view(full)
+
+
+class _StreamContext:
+    """Run CuPy/torch copies on a raw stream handle."""
+
+    def __init__(self, handle: int, device: int) -> None:
+        self.handle, self.device = handle, device
+        self._ctx = None
+
+    def __enter__(self):
+        if importlib.util.find_spec("cupy") is not None:
+            import cupy
+
+            self._ctx = cupy.cuda.ExternalStream(self.handle, device_id=self.device)
+        else:
+            import torch
+
+            self._ctx = torch.cuda.stream(torch.cuda.ExternalStream(self.handle, device=f"cuda:{self.device}"))
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+
+
+def _copy(dst: Any, src: Any) -> None:
+    if type(dst).__module__.startswith("cupy"):
+        dst[...] = src
+    else:
+        dst.copy_(src)
+
+
+# -- control plane over NVSHMEM ---------------------------------------------------------------------------------
+class NVSHMEMControl(ControlPlane):
+    """Allgather of small pickled objects without MPI: each PE writes ``len + payload`` into its slot of a
+    symmetric scratch buffer, ``nvshmem_barrier_all``, then reads every peer's slot (peer-mapped memory, or
+    ``nvshmem_getmem``), and a last barrier lets the slot be reused. Payloads larger than the buffer grow it
+    collectively (every PE sees the same lengths, so every PE decides the same)."""
+
+    def __init__(self, nv: Any, drv: Any, capacity: int = 1 << 16) -> None:
+        self.nv, self.drv = nv, drv
+        self.rank, self.size = nv.my_pe(), nv.n_pes()
+        self._lock = threading.RLock()
+        self.capacity = capacity
+        self.buf = nv.malloc(capacity)
+
+    def _write(self, blob: bytes) -> None:
+        host = np.frombuffer(blob, dtype=np.uint8)
+        self.drv.memcpy(self.buf, host.__array_interface__["data"][0], len(blob))
+        self.drv.stream_synchronize(0)  # a pageable H2D copy may return before its DMA lands
+
+    def _read(self, pe: int, nbytes: int) -> bytes:
+        host = np.empty(nbytes, dtype=np.uint8)
+        dst = host.__array_interface__["data"][0]
+        if pe == self.rank:
+            self.drv.memcpy(dst, self.buf, nbytes)
+        else:
+            peer = self.nv.ptr(self.buf, pe)
+            if peer:
+                self.drv.memcpy(dst, peer, nbytes)
+            else:
+                self.nv.getmem(dst, self.buf, nbytes, pe)
+        return host.tobytes()
+
+    def allgather(self, obj: Any) -> list[Any]:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        header = struct.pack("<Q", len(data))
+        with self._lock:
+            fits = 8 + len(data) <= self.capacity
+            self._write(header + (data if fits else b""))
+            self.nv.barrier_all()
+            lengths = [struct.unpack("<Q", self._read(pe, 8))[0] for pe in range(self.size)]
+            need = 8 + max(lengths)
+            if need > self.capacity:
+                self.nv.barrier_all()  # every PE has read the lengths
+                self.nv.free(self.buf)
+                self.capacity = 1 << (need - 1).bit_length()
+                self.buf = self.nv.malloc(self.capacity)
+                self._write(header + data)
+                self.nv.barrier_all()
+            out = [pickle.loads(self._read(pe, 8 + n)[8:]) for pe, n in enumerate(lengths)]
+            self.nv.barrier_all()  # slots may be overwritten from now on
+        return out
+
+    def barrier(self) -> None:
+        self.nv.barrier_all()
+
+    def free(self) -> None:
+        if self.buf:
+            self.nv.free(self.buf)
+            self.buf = 0
+
+
+# -- engine -----------------------------------------------------------------------------------------------------
+class NVSHMEMEngine(Engine):
+    """One GPU per process; symmetric memory on the NVSHMEM heap; reshape by cuFFTMp."""
+
+    name: ClassVar[str] = "nvshmem"
+    packages: ClassVar[tuple[str, ...]] = ("cupy", "torch")
+    operand_packages: ClassVar[tuple[str, ...]] = ("numpy",)
+    requires_symmetric_operands: ClassVar[bool] = True
+
+    def __init__(self, nv: Any, drv: Any, device: int, control: ControlPlane | None, status: int) -> None:
+        self.nv, self.drv, self.device, self.status = nv, drv, device, status
+        self.control = control if control is not None else NVSHMEMControl(nv, drv)
+        self.my_pe = nv.my_pe()
+        self._allocs: dict[int, int] = {}  # ptr -> nbytes, engine-wide (user and internal)
+        self._plans: list[NVSHMEMReshapePlan] = []
+        self._lock = threading.RLock()
+        reach = all(self.my_pe == pe or nv.ptr(self._probe(), pe) for pe in range(nv.n_pes()))
+        self.peers_mapped = all(self.control.allgather(bool(reach)))
+
+    def _probe(self) -> int:
+        ctl = self.control
+        if isinstance(ctl, NVSHMEMControl):
+            return ctl.buf
+        if not hasattr(self, "_probe_buf"):
+            self._probe_buf = self.nv.malloc(64)
+        return self._probe_buf
+
+    # -- availability and bring-up --------------------------------------------------------------------------
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if importlib.util.find_spec("cupy") is None and importlib.util.find_spec("torch") is None:
+            return f"the nvshmem backend needs CuPy or torch: {_EXTRA}"
+        from ..bindings import LibraryNotFound, cufftmp, nvshmem
+
+        if nvshmem.library_path() is None:
+            return f"NVSHMEM (libnvshmem_host.so.3 from nvidia-nvshmem-cu13/-cu12) is not installed: {_EXTRA}"
+        if cufftmp.library_path() is None:
+            return f"cuFFTMp (libcufftMp from nvidia-cufftmp-cu13/-cu12) is not installed: {_EXTRA}"
+        try:
+            from ..bindings.cuda import driver
+
+            if driver().device_count() < 1:
+                return "no CUDA device is visible (CUDA_VISIBLE_DEVICES?)"
+            nvshmem.load()
+            cufftmp.load()
+        except (LibraryNotFound, RuntimeError, OSError) as exc:
+            return str(exc)
+        return None
+
+    @classmethod
+    def _bring_up(cls, uid: bytes | None, rank: int, nranks: int, device: int, control: ControlPlane | None,
+                  make_uid=None) -> NVSHMEMEngine:
+        from ..bindings import nvshmem
+        from ..bindings.cuda import driver
+
+        drv = driver()
+        drv.make_current(device)
+        _use_device_in_packages(device)
+        nv = nvshmem.load()
+        if make_uid is not None:
+            uid = make_uid(nv)
+        status = nv.init_with_uniqueid(uid, rank, nranks)
+        if status < 2:
+            raise BackendUnavailableError(f"NVSHMEM did not initialize (status {status}); set NVSHMEM_DEBUG=INFO")
+        if nv.my_pe() != rank or nv.n_pes() != nranks:
+            raise BackendUnavailableError(
+                f"NVSHMEM came up as PE {nv.my_pe()} of {nv.n_pes()}, expected {rank} of {nranks}"
+            )
+        return cls(nv, drv, device, control, status)
+
+    @classmethod
+    def create(cls, *, device_id: int | None = None, communicator: Any) -> NVSHMEMEngine:
+        from mpi4py import MPI
+
+        from ..bindings.cuda import driver
+        from .mpi import MPIControl
+
+        comm = communicator
+        hosts = comm.allgather(socket.gethostname())
+        apply_env_defaults(single_node=len(set(hosts)) == 1)
+        if device_id is None:
+            local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+            local_rank = local.Get_rank()
+            local.Free()
+            device_id = local_rank % driver().device_count()
+        control = MPIControl(comm)
+        error = None
+        uid = None
+        if comm.Get_rank() == 0:
+            try:
+                from ..bindings import nvshmem
+                from ..bindings.cuda import driver as _drv
+
+                _drv().make_current(device_id)
+                uid = nvshmem.load().get_uniqueid()
+            except Exception as exc:  # noqa: BLE001 - reported on every rank
+                error = f"rank 0 could not make an NVSHMEM unique id: {exc}"
+        uid, error = comm.bcast((uid, error), root=0)
+        if error:
+            control.free()
+            raise BackendUnavailableError(error)
+        try:
+            return cls._bring_up(uid, comm.Get_rank(), comm.Get_size(), device_id, control)
+        except BaseException:
+            control.free()
+            raise
+
+    # -- memory ---------------------------------------------------------------------------------------------
+    def allocate(self, nbytes: int) -> Allocation:
+        ptr = self.nv.malloc(nbytes)
+        with self._lock:
+            self._allocs[ptr] = nbytes
+        return Allocation(nbytes=nbytes, ptr=ptr, handle=ptr)
+
+    def free(self, allocation: Allocation) -> None:
+        with self._lock:
+            self._allocs.pop(allocation.handle, None)
+        self.nv.free(allocation.handle)
+
+    def as_array(
+        self, allocation: Allocation, shape: Sequence[int], dtype: Any, package: str, order: str = "C"
+    ) -> Any:
+        shape = tuple(int(n) for n in shape)
+        if package == "cupy":
+            import cupy
+
+            dt = np.dtype(dtype)
+            nbytes = math.prod(shape) * dt.itemsize
+            mem = cupy.cuda.UnownedMemory(allocation.ptr, max(nbytes, 1), allocation, device_id=self.device)
+            return cupy.ndarray(shape, dtype=dt, memptr=cupy.cuda.MemoryPointer(mem, 0), order=order)
+        if package == "torch":
+            import torch
+
+            tdt = _torch_dtype(torch, dtype)
+            itemsize = torch.empty((), dtype=tdt).element_size()
+            count = math.prod(shape)
+            raw = torch.as_tensor(_CAI(allocation.ptr, count * itemsize, allocation), device=f"cuda:{self.device}")
+            t = raw.view(tdt)
+            if order == "F" and len(shape) > 1:
+                return t.view(tuple(reversed(shape))).permute(*reversed(range(len(shape))))
+            return t.view(shape)
+        raise UnsupportedOperandError(f"the nvshmem engine allocates cupy or torch arrays, not {package}")
+
+    def on_heap(self, array: Any) -> bool:
+        if isinstance(array, np.ndarray):
+            return False
+        try:
+            ptr = _ptr(array)
+        except Exception:  # noqa: BLE001
+            return False
+        return ptr != 0 and self.nv.ptr(ptr, self.my_pe) != 0
+
+    def heap_info(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "heap_size": parse_size(os.environ.get("NVSHMEM_SYMMETRIC_SIZE")),
+                "heap_bytes_in_use": sum(self._allocs.values()),
+                "heap_allocations": len(self._allocs),
+            }
+
+    # -- reshape --------------------------------------------------------------------------------------------
+    def plan_reshape(self, spec: ReshapeSpec) -> NVSHMEMReshapePlan:
+        plan = NVSHMEMReshapePlan(self, spec)
+        with self._lock:
+            self._plans.append(plan)
+        return plan
+
+    def finalize(self) -> None:
+        with self._lock:
+            plans, self._plans = list(self._plans), []
+        for plan in plans:
+            plan.free()
+        if getattr(self, "_probe_buf", 0):
+            self.nv.free(self._probe_buf)
+            self._probe_buf = 0
+        try:
+            self.drv.stream_synchronize(0)
+            self.control.barrier()
+        finally:
+            self.control.free()
+            self.nv.finalize()
+
+
+def _use_device_in_packages(device: int) -> None:
+    cupy = sys.modules.get("cupy")
+    if cupy is None and importlib.util.find_spec("cupy") is not None:
+        import cupy
+    if cupy is not None:
+        cupy.cuda.Device(device).use()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.set_device(device)
+
+
+class NVSHMEMReshapePlan(ReshapePlan):
+    """Modes: ``"copy"`` (every rank keeps its box: a device copy), ``"cufftmp"``, ``"peer"`` (device copies
+    that pull pieces from peer-mapped symmetric memory), chosen identically on every rank."""
+
+    def __init__(self, engine: NVSHMEMEngine, spec: ReshapeSpec) -> None:
+        from ..geometry.cufftmp_layout import UnsupportedLayout, cufftmp_layout
+
+        self.engine, self.spec = engine, spec
+        self._handle = 0
+        self._workspace = 0
+        self._stage: tuple[Allocation, Allocation] | None = None
+        self._last_stream = 0
+        self._freed = False
+        item = spec.dtype.itemsize
+        self.nbytes_in = spec.input_box.size * item
+        self.nbytes_out = spec.output_box.size * item
+        self.layout = None
+        if all(i == o for i, o in zip(spec.input_boxes, spec.output_boxes)):
+            self.mode = "copy"
+            return
+        reason = None
+        try:
+            self.layout = cufftmp_layout(spec.input_boxes, spec.output_boxes, item, spec.order)
+        except UnsupportedLayout as exc:
+            reason = str(exc)
+        force = os.environ.get("DASK_PGAS_NVSHMEM_RESHAPE", "")
+        if self.layout is not None and force != "peer" and not (self.layout.has_empty and _EMPTY_VIA_PEER):
+            self.mode = "cufftmp"
+        elif engine.peers_mapped:
+            self.mode = "peer"
+        else:
+            raise UnsupportedOperandError(
+                (reason or "cuFFTMp does not accept boxes that are empty on some ranks")
+                + " (and the peer-copy fallback needs every PE's heap mapped, i.e. one node)"
+            )
+        if self.mode == "cufftmp":
+            self._make_cufftmp()
+
+    def _make_cufftmp(self) -> None:
+        from ..bindings import cufftmp
+
+        cf = cufftmp.load()
+        lay, me = self.layout, self.spec.rank
+        lo_i, up_i, st_i = lay.input[me]
+        lo_o, up_o, st_o = lay.output[me]
+        self._cf = cf
+        self._handle = cf.create()
+        cf.make(self._handle, lay.word_size, lo_i, up_i, st_i, lo_o, up_o, st_o)
+        ws = max(self.engine.control.allgather(cf.workspace_size(self._handle)))
+        if ws:
+            self._workspace = self.engine.nv.malloc(ws)
+            with self.engine._lock:
+                self.engine._allocs[self._workspace] = ws
+
+    # -- execution ------------------------------------------------------------------------------------------
+    def _staging(self) -> tuple[int, int]:
+        if self._stage is None:
+            size = max(self.spec.max_nbytes, 1)
+            self._stage = (self.engine.allocate(size), self.engine.allocate(size))
+        return self._stage[0].ptr, self._stage[1].ptr
+
+    def execute(self, src: Any, dst: Any, *, stream: Any = None, sync_symmetric_memory: bool = True) -> None:
+        if self._freed:
+            raise RuntimeError("this plan was freed")
+        pkg = _package(src)
+        if pkg == "numpy":
+            self._execute_host(src, dst)
+            return
+        handle = stream_handle(stream, pkg)
+        self._last_stream = handle
+        self._run(_ptr(src), _ptr(dst), handle, sync_symmetric_memory)
+
+    def _execute_host(self, src: np.ndarray, dst: np.ndarray) -> None:
+        if self.mode == "copy":
+            np.copyto(dst, src)
+            return
+        drv = self.engine.drv
+        s_in, s_out = self._staging()
+        drv.memcpy(s_in, _ptr(src), self.nbytes_in)
+        drv.stream_synchronize(0)
+        self._run(s_in, s_out, 0, True)
+        drv.stream_synchronize(0)
+        drv.memcpy(_ptr(dst), s_out, self.nbytes_out)
+
+    def _run(self, src: int, dst: int, stream: int, sync: bool) -> None:
+        if self.mode == "copy":
+            self.engine.drv.memcpy_async(dst, src, self.nbytes_out, stream)
+        elif self.mode == "cufftmp":
+            if sync:
+                self.engine.nv.sync_all_on_stream(stream)
+            self._cf.execute(self._handle, dst, src, self._workspace, stream)
+        else:
+            self._run_peer(src, dst, stream)
+
+    def _run_peer(self, src: int, dst: int, stream: int) -> None:
+        spec, eng = self.spec, self.engine
+        item = spec.dtype.itemsize
+
+        def bounds(box: Box) -> Box:
+            return box if spec.order == "C" else Box(box.lower[::-1], box.upper[::-1])
+
+        my_out = bounds(spec.output_box)
+        eng.nv.sync_all_on_stream(stream)
+        with _StreamContext(stream, eng.device):
+            out_view = None
+            for pe, in_box in enumerate(spec.input_boxes):
+                in_box = bounds(in_box)
+                if in_box.is_empty or my_out.is_empty:
+                    continue
+                piece = in_box.intersection(my_out)
+                if piece is None:
+                    continue
+                if out_view is None:
+                    out_view = _word_view(dst, my_out.shape, item, eng.device)
+                base = src if pe == spec.rank else eng.nv.ptr(src, pe)
+                in_view = _word_view(base, in_box.shape, item, eng.device)
+                _copy(out_view[piece.relative_to(my_out)], in_view[piece.relative_to(in_box)])
+        eng.nv.sync_all_on_stream(stream)  # peers may reuse their input only once every pull is done
+
+    def synchronize(self, stream: Any = None) -> None:
+        handle = self._last_stream if stream is None else stream_handle(stream)
+        self.engine.drv.stream_synchronize(handle)
+
+    def free(self) -> None:
+        if self._freed:
+            return
+        self._freed = True
+        eng = self.engine
+        with eng._lock:
+            if self in eng._plans:
+                eng._plans.remove(self)
+        eng.drv.stream_synchronize(0)
+        if self._handle:
+            self._cf.destroy(self._handle)
+            self._handle = 0
+        if self._workspace:
+            with eng._lock:
+                eng._allocs.pop(self._workspace, None)
+            eng.nv.free(self._workspace)
+            self._workspace = 0
+        if self._stage is not None:
+            for a in self._stage:
+                eng.free(a)
+            self._stage = None
+
+
+#: route reshapes with empty boxes around cuFFTMp (set from what the H200 showed; see docs/gpu-validation.md)
+_EMPTY_VIA_PEER = os.environ.get("DASK_PGAS_EMPTY_VIA_PEER", "0") == "1"
+
+
+# -- bring-up without MPI ---------------------------------------------------------------------------------------
+def get_nvshmem_uniqueid(device_id: int | None = None, *, single_node: bool | None = None) -> bytes:
+    """A fresh NVSHMEM unique id (128 bytes) for :func:`initialize_from_uniqueid`.
+
+    Call it in the process that will be rank 0 (NVSHMEM starts the bootstrap listener in this process), then
+    hand the bytes to every rank by any channel and call :func:`initialize_from_uniqueid` everywhere (rank 0
+    included). ``single_node=True`` sets the one-node environment defaults first (see :func:`apply_env_defaults`).
+    """
+    from ..bindings import nvshmem
+    from ..bindings.cuda import driver
+
+    apply_env_defaults(single_node)
+    drv = driver()
+    drv.make_current(0 if device_id is None else device_id)
+    return nvshmem.load().get_uniqueid()
+
+
+def initialize_from_uniqueid(
+    uid: bytes, rank: int, nranks: int, device_id: int | None = None, *, single_node: bool | None = None
+) -> None:
+    """Bring up the ``"nvshmem"`` backend from a unique id delivered by other means (collective over the
+    ``nranks`` processes; no MPI needed). The control plane then runs on NVSHMEM itself.
+
+    Args:
+        uid: bytes from :func:`get_nvshmem_uniqueid` (made in rank 0's process).
+        rank, nranks: this process's PE number and the number of PEs.
+        device_id: CUDA device (default ``rank`` modulo the visible devices).
+        single_node: all ranks on one host: set the single-node NVSHMEM defaults.
+    """
+    from .. import runtime
+    from ..bindings.cuda import driver
+
+    apply_env_defaults(single_node)
+    if device_id is None:
+        device_id = rank % driver().device_count()
+    engine = NVSHMEMEngine._bring_up(bytes(uid), rank, nranks, device_id, None)
+    runtime.install_engine(engine)
