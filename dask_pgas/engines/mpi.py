@@ -47,10 +47,14 @@ def _element_type(dtype: np.dtype):
     from mpi4py.util import dtlib
 
     try:
-        return dtlib.from_numpy_dtype(dtype), False
+        datatype = dtlib.from_numpy_dtype(dtype)
+        # dtlib maps some dtypes to a type of another extent (for example 'S5' to one MPI_CHAR)
+        if datatype.extent == dtype.itemsize and (dtype.fields or datatype.size == dtype.itemsize):
+            return datatype, False
     except (ValueError, TypeError, KeyError):
-        # byte-swapped or otherwise unmapped: move the raw bytes of each element
-        return MPI.BYTE.Create_contiguous(dtype.itemsize).Commit(), True
+        pass
+    # unmapped (void, byte-swapped, ...): move the raw bytes of each element
+    return MPI.BYTE.Create_contiguous(dtype.itemsize).Commit(), True
 
 
 class MPIReshapePlan(ReshapePlan):
@@ -115,7 +119,8 @@ class MPIReshapePlan(ReshapePlan):
         )
         if self._local is not None:
             src_sl, dst_sl = self._local
-            dst[dst_sl] = src[src_sl]
+            raw = np.dtype((np.void, self.spec.dtype.itemsize))  # byte-exact: no string or float semantics
+            dst.view(raw)[dst_sl] = src.view(raw)[src_sl]
 
     def free(self) -> None:
         for dt in self._derived:

@@ -1,0 +1,79 @@
+"""Shared by the MPI test programs: command-line options, array packages, NumPy references."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+import dask_pgas
+
+COMM = MPI.COMM_WORLD
+RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
+
+
+def options(extra=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", default="mpi", choices=["mpi", "nvshmem"])
+    parser.add_argument("--package", default="numpy", choices=["numpy", "cupy", "torch"])
+    parser.add_argument("--examples", type=int, default=40)
+    if extra:
+        extra(parser)
+    return parser.parse_args()
+
+
+def initialize(opts) -> None:
+    dask_pgas.initialize(None, COMM, backends=[opts.backend])
+
+
+def to_numpy(array):
+    """Host copy of a NumPy/CuPy array or torch tensor (bytes preserved)."""
+    if isinstance(array, np.ndarray):
+        return array
+    if type(array).__module__.startswith("cupy"):
+        return array.get()
+    return array.cpu().numpy()
+
+
+def to_device(host: np.ndarray, like):
+    """Copy ``host`` into the existing device array ``like`` (same shape, dtype, order)."""
+    if isinstance(like, np.ndarray):
+        like[...] = host
+    elif type(like).__module__.startswith("cupy"):
+        like.set(host)
+    else:
+        import torch
+
+        like.copy_(torch.from_numpy(np.ascontiguousarray(host)).reshape(like.shape))
+    return like
+
+
+def partition(shape, nranks, rnd: random.Random):
+    """A random tiling of ``shape`` into ``nranks`` boxes (some may be empty) by repeated bisection."""
+    boxes = [(tuple(0 for _ in shape), tuple(shape))]
+    while len(boxes) < nranks:
+        i = rnd.randrange(len(boxes))
+        lo, up = boxes.pop(i)
+        axis = rnd.randrange(len(shape))
+        cut = rnd.randint(lo[axis], up[axis])
+        a_up = list(up)
+        a_up[axis] = cut
+        b_lo = list(lo)
+        b_lo[axis] = cut
+        boxes += [(lo, tuple(a_up)), (tuple(b_lo), up)]
+    rnd.shuffle(boxes)
+    return boxes
+
+
+def all_ok(ok: bool) -> bool:
+    return COMM.allreduce(bool(ok), op=MPI.LAND)
+
+
+def report_ok(**info) -> None:
+    lines = COMM.gather(f"OK rank={RANK} " + " ".join(f"{k}={v}" for k, v in info.items()) + "\n")
+    if RANK == 0:  # one writer: lines of several ranks never interleave
+        sys.stdout.write("".join(lines))
+        sys.stdout.flush()

@@ -1,0 +1,136 @@
+"""Each bad input must raise the same exception on every rank, and leave the world usable.
+
+Prints one ``CASE {json}`` line per rank and case (the exception's class and message, or "none"); the pytest
+side checks that every rank raised the same. After each case a valid reshape proves nobody is stuck.
+Needs >= 2 ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+from _common import COMM, RANK, SIZE, initialize, options, report_ok, to_numpy
+
+import dask_pgas
+from dask_pgas.distribution import Box
+from dask_pgas.reshape import reshape
+
+opts = options()
+assert SIZE >= 2, "bad_inputs needs at least 2 ranks"
+initialize(opts)
+GPU = opts.package != "numpy"
+N = 4 * SIZE  # global shape (N, N): column slabs -> row slabs
+
+
+def col(rank=RANK):
+    return Box((0, 4 * rank), (N, 4 * rank + 4))
+
+
+def row(rank=RANK):
+    return Box((4 * rank, 0), (4 * rank + 4, N))
+
+
+def operand(shape, dtype="float64", symmetric=GPU):
+    if symmetric:
+        dt = dtype
+        if opts.package == "torch":
+            import torch
+
+            dt = getattr(torch, np.dtype(dtype).name)
+        return dask_pgas.allocate_symmetric_memory(shape, opts.package, dtype=dt, make_symmetric=True)
+    return np.zeros(shape, dtype=dtype)
+
+
+def release(*arrays):
+    sym = [a for a in arrays if dask_pgas.memory.is_symmetric_memory(a)]
+    if sym:
+        dask_pgas.free_symmetric_memory(*sym)
+
+
+def case(name, fn):
+    try:
+        fn()
+        outcome = {"case": name, "rank": RANK, "raised": "none", "message": ""}
+    except Exception as exc:  # noqa: BLE001 - recorded and compared across ranks
+        outcome = {"case": name, "rank": RANK, "raised": type(exc).__name__, "message": str(exc)}
+    outcomes = COMM.gather(outcome)
+    if RANK == 0:  # one writer: lines of several ranks never interleave
+        sys.stdout.write("".join("CASE " + json.dumps(o) + "\n" for o in outcomes))
+        sys.stdout.flush()
+    # the world still works: a valid reshape right after
+    a = operand(col().shape)
+    b = reshape(a, col(), row())
+    ok = b.shape == row().shape
+    release(a, b)
+    assert COMM.allreduce(ok), "world broken after case " + name
+
+
+def run(a, ibox, obox):
+    try:
+        b = reshape(a, ibox, obox)
+        release(b)
+    finally:
+        release(a)
+
+
+case("dimensionality differs across ranks", lambda: run(
+    operand((N, 4)) if RANK else operand((N, 4, 1)),
+    col() if RANK else Box((0, 0, 0), (N, 4, 1)),
+    row() if RANK else Box((0, 0, 0), (4, N, 1)),
+))
+case("input and output box dimensionality differ", lambda: run(
+    operand(col().shape), col(), Box((4 * RANK, 0, 0), (4 * RANK + 4, N, 1)) if RANK == SIZE - 1 else row()
+))
+case("operand shape differs from its input box", lambda: run(
+    operand((N, 3) if RANK == 1 else (N, 4)), col(), row()
+))
+case("input boxes overlap", lambda: run(
+    operand((N, 5) if RANK == 0 else (N, 4)), Box((0, 0), (N, 5)) if RANK == 0 else col(), row()
+))
+case("input boxes leave a hole", lambda: run(
+    operand((N, 3) if RANK == 0 else (N, 4)), Box((0, 0), (N, 3)) if RANK == 0 else col(),
+    row(),
+))
+case("input and output domains differ", lambda: run(
+    operand(col().shape), col(), Box((4 * RANK, 0), (4 * RANK + 4, N + 1)) if True else row()
+))
+case("dtypes differ across ranks", lambda: run(
+    operand(col().shape, "float32" if RANK == 1 else "float64"), col(), row()
+))
+case("operand is not an array on one rank", lambda: reshape(
+    [[0.0] * 4] * N if RANK == 1 else np.zeros(col().shape), col(), row()
+) if not GPU else run(operand(col().shape) if RANK != 1 else [[0.0] * 4] * N, col(), row()))
+case("box given as a malformed pair on one rank", lambda: run(
+    operand(col().shape), ((0, 0, 0),) if RANK == 0 else col(), row()
+))
+def mixed_memory():
+    """Symmetric memory is allocated collectively; one rank then passes an array that is not on the heap."""
+    sym = dask_pgas.allocate_symmetric_memory(col().shape, opts.package, make_symmetric=True)
+    try:
+        other = _off_heap(col().shape) if GPU else np.zeros(col().shape)
+        run_plain = sym if RANK != 1 else other
+        b = reshape(run_plain, col(), row())
+        release(b)
+    finally:
+        dask_pgas.free_symmetric_memory(sym)
+
+
+def _off_heap(shape):
+    if opts.package == "cupy":
+        import cupy
+
+        return cupy.zeros(shape)
+    import torch
+
+    return torch.zeros(shape, dtype=torch.float64, device="cuda")
+
+
+case("GPU operand not on the symmetric heap" if GPU else "symmetric operand on some ranks only", mixed_memory)
+
+
+usage = dask_pgas.heap_usage()
+assert usage["allocations"] == 0, f"symmetric memory leaked: {usage}"
+dask_pgas.finalize()
+report_ok()

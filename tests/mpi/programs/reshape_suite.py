@@ -1,0 +1,147 @@
+"""Random box layouts, dtypes, dimensionalities and memory orders against a NumPy reference.
+
+Every rank runs the same hypothesis examples (derandomized) and the verdict of each example is agreed with an
+allreduce, so all ranks pass or fail together. Run: mpiexec -n K python reshape_suite.py [--backend ...]
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+from _common import COMM, RANK, SIZE, all_ok, initialize, options, partition, report_ok, to_device, to_numpy
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+import dask_pgas
+from dask_pgas.distribution import Box
+from dask_pgas.reshape import Reshape
+
+opts = options()
+initialize(opts)
+
+COMMON = ["bool", "int8", "uint8", "int16", "int32", "int64", "float16", "float32", "float64", "complex64",
+          "complex128"]
+HOST_ONLY = ["uint16", "uint32", "uint64", ">f8", "<i4", "S5", "V3",
+             np.dtype([("a", "i1"), ("b", "<f8")]), np.dtype([("a", "i1"), ("b", "<f8")], align=True)]
+DTYPES = [np.dtype(d) for d in COMMON + (HOST_ONLY if opts.package == "numpy" else [])]
+KINDS = ["plain", "symmetric", "strided"] if opts.package == "numpy" else ["symmetric"]
+
+
+def global_array(shape, dtype, seed):
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(shape))
+    if dtype == np.bool_:
+        return rng.integers(0, 2, n).astype(bool).reshape(shape)
+    raw = rng.integers(0, 256, n * dtype.itemsize, dtype=np.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+def same_bytes(a, b) -> bool:
+    """Bitwise equality (NaN payloads included); for structured dtypes field by field (padding is no data)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype.fields:
+        return all(same_bytes(a[name], b[name]) for name in a.dtype.names)
+    a, b = np.ascontiguousarray(raw(a)), np.ascontiguousarray(raw(b))
+    return np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def raw(a):
+    """Byte view (void elements): copies through it are byte-exact for every dtype."""
+    return a.view(np.dtype((np.void, a.dtype.itemsize)))
+
+
+def piece(glob, box, order):
+    return np.asarray(raw(glob)[box.relative_to(Box((0,) * glob.ndim, glob.shape))], order=order).view(glob.dtype)
+
+
+def make_operand(local, kind, order):
+    if kind == "plain":
+        return local
+    if kind == "strided":
+        holder = np.empty((*local.shape, 2), dtype=local.dtype)
+        raw(holder)[..., 0] = raw(local)
+        return holder[..., 0]
+    op = dask_pgas.allocate_symmetric_memory(
+        local.shape, opts.package, dtype=local.dtype if opts.package != "torch" else _torch_dtype(local.dtype),
+        axis_order=order, make_symmetric=True,
+    )
+    return to_device(local, op)
+
+
+def _torch_dtype(dtype):
+    import torch
+
+    return torch.from_numpy(np.empty(0, dtype)).dtype
+
+
+@st.composite
+def cases(draw):
+    ndim = draw(st.integers(1, 4))
+    limit = {1: 40, 2: 12, 3: 7, 4: 5}[ndim]
+    shape = tuple(draw(st.lists(st.integers(0, limit), min_size=ndim, max_size=ndim)))
+    return dict(
+        shape=shape,
+        dtype=draw(st.sampled_from(DTYPES)),
+        order=draw(st.sampled_from("CF")),
+        kind=draw(st.sampled_from(KINDS)),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+def run_case(case):
+    seen = COMM.allgather(repr(case))
+    assert len(set(seen)) == 1, f"ranks drew different examples: {seen}"
+    rnd = random.Random(case["seed"])
+    ins, outs = partition(case["shape"], SIZE, rnd), partition(case["shape"], SIZE, rnd)
+    glob = global_array(case["shape"], case["dtype"], case["seed"])
+    my_in, my_out = Box(*ins[RANK]), Box(*outs[RANK])
+    local = piece(glob, my_in, case["order"])
+    operand = make_operand(local, case["kind"], case["order"])
+    expect = piece(glob, my_out, "C")
+    symmetric = case["kind"] == "symmetric"
+    ok, why = True, ""
+    with Reshape(operand, my_in, my_out) as plan:
+        plan.plan()
+        for attempt in range(2):  # plan once, execute twice
+            result = plan.execute()
+            host = to_numpy(result)
+            if not same_bytes(host, expect):
+                ok, why = False, f"execute #{attempt} differs from the reference"
+            if symmetric:
+                dask_pgas.free_symmetric_memory(result)
+        if case["kind"] == "plain":  # a new operand through reset_operand
+            glob2 = global_array(case["shape"], case["dtype"], case["seed"] + 1)
+            local2 = piece(glob2, my_in, case["order"])
+            plan.reset_operand(local2)
+            host = plan.execute()
+            if not same_bytes(host, piece(glob2, my_out, "C")):
+                ok, why = False, "execute after reset_operand differs from the reference"
+    if symmetric:
+        dask_pgas.free_symmetric_memory(operand)
+    verdict = all_ok(ok)
+    assert verdict, f"rank {RANK}: {why or 'another rank failed'} in {case}, boxes in={ins} out={outs}"
+
+
+@settings(
+    max_examples=opts.examples, derandomize=True, database=None, deadline=None,
+    phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck), print_blob=False,
+)
+@given(case=cases())
+def test_random_layouts(case):
+    run_case(case)
+
+
+# fixed cases the random search might miss: the seed, a single rank owning everything, all-empty domain
+def fixed_cases():
+    for shape, order, dtype in [((4, 4), "C", "float64"), ((1000, 3), "F", "int32"), ((0, 5), "C", "float32")]:
+        run_case(dict(shape=shape, dtype=np.dtype(dtype), order=order, kind=KINDS[0], seed=7))
+
+
+fixed_cases()
+test_random_layouts()
+usage = dask_pgas.heap_usage()
+assert usage["allocations"] == 0, f"symmetric memory leaked: {usage}"
+dask_pgas.finalize()
+report_ok(examples=opts.examples, backend=opts.backend, package=opts.package)

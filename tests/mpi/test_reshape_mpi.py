@@ -1,0 +1,36 @@
+"""Multi-rank reshape tests: each launches ``mpiexec -n K`` once and runs many cases inside."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from tests.mpirun import check, json_lines, run_mpi
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4])
+def test_random_layouts_against_numpy(nranks):
+    examples = {1: 60, 2: 80, 3: 80, 4: 60}[nranks]
+    check(run_mpi("reshape_suite.py", nranks, "--examples", str(examples), timeout=300), nranks)
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_bad_inputs_raise_the_same_error_on_every_rank(nranks):
+    result = run_mpi("bad_inputs.py", nranks, timeout=180)
+    check(result, nranks)
+    by_case = collections.defaultdict(list)
+    for outcome in json_lines(result, "CASE"):
+        by_case[outcome["case"]].append(outcome)
+    assert len(by_case) >= 10, sorted(by_case)
+    for name, outcomes in by_case.items():
+        assert sorted(o["rank"] for o in outcomes) == list(range(nranks)), name
+        raised = {(o["raised"], o["message"]) for o in outcomes}
+        assert len(raised) == 1, f"{name}: ranks disagree: {raised}"
+        (kind, message), = raised
+        assert kind != "none", f"{name}: nothing raised"
+        assert kind in {"DistributionError", "UnsupportedOperandError", "SymmetricMemoryError", "TypeError"}, (
+            name, kind, message)
+        assert message.strip(), name

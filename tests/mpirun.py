@@ -1,0 +1,55 @@
+"""Launch a test program under ``mpiexec -n K`` with a timeout, so a hang fails instead of blocking."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PROGRAMS = Path(__file__).parent / "mpi" / "programs"
+
+
+def mpiexec() -> str:
+    exe = shutil.which("mpiexec", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))
+    if exe is None:
+        pytest.fail("mpiexec not found: install the project with its dependencies (the mpich wheel provides it)")
+    return exe
+
+
+def run_mpi(program: str | Path, nranks: int, *args: str, timeout: float = 180, env: dict | None = None):
+    """Run ``program`` on ``nranks`` ranks; return the CompletedProcess, failing the test on a timeout."""
+    path = Path(program)
+    if not path.is_absolute():
+        path = PROGRAMS / path
+    cmd = [mpiexec(), "-n", str(nranks), sys.executable, "-u", str(path), *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} hung for {timeout} s (killed)\nstdout:\n{out[-4000:]}\nstderr:\n{err[-4000:]}")
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return result
+
+
+def check(result, nranks: int) -> None:
+    """Assert the program exited 0 and every rank printed its OK line."""
+    ok = [line for line in result.stdout.splitlines() if line.startswith("OK rank=")]
+    assert result.returncode == 0 and len(ok) == nranks, (
+        f"{' '.join(result.args)} exited {result.returncode} with {len(ok)}/{nranks} OK lines\n"
+        f"stdout:\n{result.stdout[-6000:]}\nstderr:\n{result.stderr[-6000:]}"
+    )
+
+
+def json_lines(result, tag: str) -> list:
+    return [json.loads(line[len(tag) + 1 :]) for line in result.stdout.splitlines() if line.startswith(tag + " ")]
