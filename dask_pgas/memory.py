@@ -227,8 +227,10 @@ def _free_all(engine: Engine) -> None:
 
 def heap_usage(backend: str | None = None) -> dict[str, int]:
     """Live symmetric allocations of this rank: count, bytes, how many were garbage collected unfreed, plus
-    the engine's own figures (for example the NVSHMEM heap size)."""
-    engines = _require()
+    (with ``backend``) the engine's own figures, for example the NVSHMEM heap size. Local; works before
+    ``initialize`` and after ``finalize`` too (then everything is zero)."""
+    from .runtime import _engines as engines
+
     with _lock:
         recs = [r for r in _live.values() if backend is None or r.engine.name == backend]
         out = {
@@ -236,6 +238,6 @@ def heap_usage(backend: str | None = None) -> dict[str, int]:
             "bytes": sum(r.allocation.nbytes for r in recs),
             "collected_unfreed": sum(r.collected for r in recs),
         }
-    if backend is not None:
+    if backend is not None and backend in engines:
         out.update(engines[backend].heap_info())
     return out

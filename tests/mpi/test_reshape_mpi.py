@@ -34,3 +34,28 @@ def test_bad_inputs_raise_the_same_error_on_every_rank(nranks):
         assert kind in {"DistributionError", "UnsupportedOperandError", "SymmetricMemoryError", "TypeError"}, (
             name, kind, message)
         assert message.strip(), name
+
+
+@pytest.mark.parametrize("nranks", [1, 3])
+def test_symmetric_memory_rules(nranks):
+    result = run_mpi("symmetric_memory.py", nranks, timeout=180)
+    check(result, nranks)
+    by_case = collections.defaultdict(list)
+    for outcome in json_lines(result, "CASE"):
+        by_case[outcome["case"]].append(outcome)
+    assert len(by_case) >= 12 if nranks > 1 else 10, sorted(by_case)
+    for name, outcomes in by_case.items():
+        assert sorted(o["rank"] for o in outcomes) == list(range(nranks)), name
+        assert {(o["raised"], o["message"]) for o in outcomes} == {(outcomes[0]["raised"], outcomes[0]["message"])}
+        assert outcomes[0]["raised"] == outcomes[0]["expect"], outcomes[0]
+
+
+def test_seed_example_runs_as_written():
+    from pathlib import Path
+
+    example = Path(__file__).parents[2] / "examples" / "reshape_columns_to_rows.py"
+    result = run_mpi(example, 2, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        block = result.stdout.split(f"[{rank}] B:\n", 1)[1].splitlines()[:2]
+        assert block == ["[[0. 0. 1. 1.]", " [0. 0. 1. 1.]]"], result.stdout

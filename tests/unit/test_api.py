@@ -1,0 +1,69 @@
+"""The public surface, without MPI ranks: names, options, errors and single-process use."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+import dask_pgas
+from dask_pgas import errors
+from dask_pgas._arrays import array_info, package_name
+from dask_pgas.reshape import ReshapeOptions
+
+
+def test_public_names():
+    for name in ("initialize", "finalize", "allocate_symmetric_memory", "free_symmetric_memory", "Box",
+                 "Reshape", "ReshapeOptions", "heap_usage"):
+        assert hasattr(dask_pgas, name), name
+    assert callable(dask_pgas.reshape.reshape) and dask_pgas.distribution.Box is dask_pgas.Box
+
+
+def test_errors_are_builtin_subclasses_and_pickle():
+    for cls, base in [(errors.DistributionError, ValueError), (errors.NotInitializedError, RuntimeError),
+                      (errors.UnsupportedOperandError, TypeError), (errors.SymmetricMemoryError, ValueError)]:
+        exc = cls("what to do")
+        assert isinstance(exc, base) and isinstance(exc, errors.PGASError)
+        again = pickle.loads(pickle.dumps(exc))
+        assert type(again) is cls and str(again) == "what to do"
+
+
+def test_options():
+    assert ReshapeOptions().blocking == "auto"
+    with pytest.raises(ValueError):
+        ReshapeOptions(blocking="sometimes")
+
+
+def test_array_info_layouts():
+    a = np.zeros((3, 4), order="F")
+    info = array_info(a)
+    assert info.f_contiguous and not info.c_contiguous and info.shape == (3, 4) and info.nbytes == 96
+    assert not array_info(a[:, ::2]).f_contiguous
+    with pytest.raises(TypeError):
+        array_info([1, 2])
+    assert package_name(np) == "numpy"
+    with pytest.raises(TypeError):
+        package_name("pandas")
+
+
+def test_not_initialized_message():
+    with pytest.raises(errors.NotInitializedError, match="initialize"):
+        dask_pgas.allocate_symmetric_memory((2,), np)
+    assert dask_pgas.heap_usage()["allocations"] == 0
+
+
+def test_single_process_reshape_in_this_process():
+    """One rank (MPI singleton): a reshape is a re-slice of the whole array."""
+    from mpi4py import MPI
+
+    dask_pgas.initialize(None, MPI.COMM_SELF, backends=["mpi"])
+    try:
+        a = np.arange(12.0).reshape(3, 4)
+        out = dask_pgas.reshape.reshape(a, dask_pgas.Box((0, 0), (3, 4)), dask_pgas.Box((0, 0), (3, 4)))
+        assert np.array_equal(out, a) and out is not a
+        with pytest.raises(errors.RuntimeStateError):
+            dask_pgas.initialize(None, MPI.COMM_SELF, backends=["mpi"])
+    finally:
+        dask_pgas.finalize()
+    assert not dask_pgas.is_initialized()

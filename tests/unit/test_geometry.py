@@ -1,0 +1,75 @@
+"""Pure geometry: Box and tiling checks (no MPI)."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dask_pgas.distribution import Box
+from dask_pgas.geometry.boxes import bounding_box, tiling_error
+
+
+def test_box_basics():
+    b = Box((0, 2), (4, 4))
+    assert b.shape == (4, 2) and b.ndim == 2 and b.size == 8 and not b.is_empty
+    assert b == Box([0, 2], np.array([4, 4])) and hash(b) == hash(Box((0, 2), (4, 4)))
+    assert pickle.loads(pickle.dumps(b)) == b
+    lower, upper = b
+    assert (lower, upper) == ((0, 2), (4, 4))
+    assert Box.from_any(((0, 0), (1, 1))) == Box((0, 0), (1, 1))
+    assert Box((1, 1), (1, 5)).is_empty
+
+
+@pytest.mark.parametrize(
+    ("lower", "upper", "error"),
+    [((0,), (1, 2), ValueError), ((2,), (1,), ValueError), ((), (), ValueError), ((0.5,), (1,), TypeError)],
+)
+def test_box_rejects(lower, upper, error):
+    with pytest.raises(error):
+        Box(lower, upper)
+
+
+def test_intersection_and_relative_slices():
+    a, b = Box((0, 0), (4, 4)), Box((2, 3), (6, 8))
+    assert a.intersection(b) == Box((2, 3), (4, 4))
+    assert a.intersection(Box((4, 0), (5, 4))) is None
+    assert Box((2, 3), (4, 4)).relative_to(b) == (slice(0, 2), slice(0, 1))
+    with pytest.raises(ValueError):
+        a.intersection(Box((0,), (1,)))
+
+
+def test_tiling_errors_name_the_ranks():
+    good = [Box((0, 0), (2, 4)), Box((2, 0), (4, 4)), Box((0, 0), (0, 0))]
+    assert tiling_error(good) is None
+    assert bounding_box(good) == Box((0, 0), (4, 4))
+    overlap = [Box((0, 0), (3, 4)), Box((2, 0), (4, 4))]
+    assert "ranks 0 and 1 overlap" in tiling_error(overlap)
+    hole = [Box((0, 0), (1, 4)), Box((2, 0), (4, 4))]
+    assert "holes" in tiling_error(hole)
+    assert bounding_box([Box((1,), (1,))]) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_tiling_error_matches_a_dense_count(data):
+    ndim = data.draw(st.integers(1, 3))
+    nboxes = data.draw(st.integers(1, 6))
+    boxes = []
+    for _ in range(nboxes):
+        lo = data.draw(st.lists(st.integers(0, 4), min_size=ndim, max_size=ndim))
+        ext = data.draw(st.lists(st.integers(0, 3), min_size=ndim, max_size=ndim))
+        boxes.append(Box(lo, [a + b for a, b in zip(lo, ext)]))
+    grid = np.zeros((8,) * ndim, dtype=int)
+    for b in boxes:
+        grid[tuple(slice(l, u) for l, u in zip(b.lower, b.upper))] += 1
+    bbox = bounding_box(boxes)
+    if bbox is None:
+        assert tiling_error(boxes) is None
+        return
+    inside = grid[tuple(slice(l, u) for l, u in zip(bbox.lower, bbox.upper))]
+    exact = bool((inside == 1).all())
+    assert (tiling_error(boxes) is None) == exact
