@@ -67,3 +67,29 @@ def test_single_process_reshape_in_this_process():
     finally:
         dask_pgas.finalize()
     assert not dask_pgas.is_initialized()
+
+
+def test_results_are_recycled_only_when_dropped():
+    from mpi4py import MPI
+
+    dask_pgas.initialize(None, MPI.COMM_SELF, backends=["mpi"])
+    try:
+        a = np.arange(6.0).reshape(2, 3)
+        box = dask_pgas.Box((0, 0), (2, 3))
+        with dask_pgas.Reshape(a, box, box) as r:
+            r.plan()
+            first = r.execute()
+            view = first[0]
+            del first  # still referenced through the view: must not be reused
+            second = r.execute()
+            third = r.execute()
+            assert len({id(view.base), id(second), id(third)}) == 3
+            view[...] = -1  # writing through the view must not touch later results
+            assert np.array_equal(second, a) and np.array_equal(third, a)
+            third_id = id(third)
+            del third  # now unreferenced: recycled by the next execute
+            fourth = r.execute()
+            assert id(fourth) == third_id and np.array_equal(fourth, a)
+            assert fourth is not second
+    finally:
+        dask_pgas.finalize()
