@@ -13,6 +13,7 @@ The PGAS core mirrors ``nvmath.distributed``::
 from . import distribution, errors, reshape
 from ._version import __version__
 from .distribution import Box
+from .engines.nvshmem import get_nvshmem_uniqueid, initialize_from_uniqueid
 from .memory import allocate_symmetric_memory, free_symmetric_memory, heap_usage
 from .reshape import Reshape, ReshapeOptions
 from .runtime import available_backends, finalize, initialize, initialized_backends, is_initialized
@@ -28,8 +29,10 @@ __all__ = [
     "errors",
     "finalize",
     "free_symmetric_memory",
+    "get_nvshmem_uniqueid",
     "heap_usage",
     "initialize",
+    "initialize_from_uniqueid",
     "initialized_backends",
     "is_initialized",
     "reshape",

@@ -27,12 +27,13 @@ def extra_hint() -> str:
 def find_in_site_packages(relpaths: list[str], env: str | None = None) -> str | None:
     """First existing file among ``relpaths`` under any ``sys.path`` entry (or the path in ``$env``)."""
     if env and os.environ.get(env):
-        return os.environ[env]
+        return os.path.realpath(os.environ[env])
     for base in sys.path:
         if not base or not os.path.isdir(base):
             continue
         for rel in relpaths:
             cand = os.path.join(base, rel)
             if os.path.exists(cand):
-                return cand
+                # the real path: the same library reached through a symlinked folder must not load twice
+                return os.path.realpath(cand)
     return None

@@ -78,6 +78,9 @@ class CudaDriver:
         if nbytes:
             self.check(self.lib.cuMemcpyAsync(dst, src, nbytes, ctypes.c_void_p(stream or None)), "cuMemcpyAsync")
 
+    def ctx_synchronize(self) -> None:
+        self.check(self.lib.cuCtxSynchronize(), "cuCtxSynchronize")
+
     def stream_synchronize(self, stream: int) -> None:
         self.check(self.lib.cuStreamSynchronize(ctypes.c_void_p(stream or None)), "cuStreamSynchronize")
 

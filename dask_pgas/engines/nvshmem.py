@@ -373,6 +373,7 @@ class NVSHMEMEngine(Engine):
     def free(self, allocation: Allocation) -> None:
         with self._lock:
             self._allocs.pop(allocation.handle, None)
+        self.drv.ctx_synchronize()  # like cudaFree: no stream may still use the memory
         self.nv.free(allocation.handle)
 
     def as_array(
@@ -476,7 +477,7 @@ class NVSHMEMReshapePlan(ReshapePlan):
         except UnsupportedLayout as exc:
             reason = str(exc)
         force = os.environ.get("DASK_PGAS_NVSHMEM_RESHAPE", "")
-        if self.layout is not None and force != "peer" and not (self.layout.has_empty and _EMPTY_VIA_PEER):
+        if self.layout is not None and force != "peer" and not (self.layout.has_empty and _empty_via_peer()):
             self.mode = "cufftmp"
         elif engine.peers_mapped:
             self.mode = "peer"
@@ -581,7 +582,7 @@ class NVSHMEMReshapePlan(ReshapePlan):
         with eng._lock:
             if self in eng._plans:
                 eng._plans.remove(self)
-        eng.drv.stream_synchronize(0)
+        eng.drv.ctx_synchronize()
         if self._handle:
             self._cf.destroy(self._handle)
             self._handle = 0
@@ -596,8 +597,10 @@ class NVSHMEMReshapePlan(ReshapePlan):
             self._stage = None
 
 
-#: route reshapes with empty boxes around cuFFTMp (set from what the H200 showed; see docs/gpu-validation.md)
-_EMPTY_VIA_PEER = os.environ.get("DASK_PGAS_EMPTY_VIA_PEER", "0") == "1"
+def _empty_via_peer() -> bool:
+    """Route reshapes with empty boxes around cuFFTMp (default from what the H200 showed; see
+    docs/gpu-validation.md); ``DASK_PGAS_EMPTY_VIA_PEER=0/1`` overrides."""
+    return os.environ.get("DASK_PGAS_EMPTY_VIA_PEER", "0") == "1"
 
 
 # -- bring-up without MPI ---------------------------------------------------------------------------------------

@@ -1,0 +1,141 @@
+"""S1 on the GPU: 8192 x 8192 float64, column slabs -> row slabs, on P PEs (mpirun -n P).
+
+Prints, from the same run: ``Reshape.execute()`` (the public API, including its result allocation and free),
+the bare cuFFTMp reshape through the binding (``nvshmemx_sync_all_on_stream`` + ``cufftMpExecReshapeAsync``) on
+the same boxes, and a device-to-device copy of this PE's bytes. CUDA events, median of ``--repeat`` after
+``--warmup``; GB/s = global payload bytes / the slowest PE's time. One JSON line ``BENCH {...}`` on rank 0.
+
+    mpirun -n P python benchmarks/bench_gpu_reshape.py [--n 8192] [--repeat 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+import cupy as cp  # noqa: E402
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import dask_pgas  # noqa: E402
+from dask_pgas.distribution import Box  # noqa: E402
+from dask_pgas.reshape import Reshape  # noqa: E402
+
+
+def slabs(n: int, p: int, axis: int) -> list[Box]:
+    cuts = [n * i // p for i in range(p + 1)]
+    out = []
+    for i in range(p):
+        lo, up = [0, 0], [n, n]
+        lo[axis], up[axis] = cuts[i], cuts[i + 1]
+        out.append(Box(lo, up))
+    return out
+
+
+def timed(fn, stream, warmup: int, repeat: int) -> float:
+    """Median milliseconds of ``fn()`` between CUDA events on ``stream``."""
+    for _ in range(warmup):
+        fn()
+    stream.synchronize()
+    times = []
+    for _ in range(repeat):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        MPI.COMM_WORLD.Barrier()
+        a.record(stream)
+        fn()
+        b.record(stream)
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=8192)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=10)
+    args = ap.parse_args()
+    comm = MPI.COMM_WORLD
+    rank, p = comm.Get_rank(), comm.Get_size()
+    dask_pgas.initialize(None, comm, backends=["nvshmem"])
+    from dask_pgas.runtime import get_engine
+
+    engine = get_engine("nvshmem")
+    n, dtype = args.n, np.float64
+    ins, outs = slabs(n, p, 1), slabs(n, p, 0)
+    stream = cp.cuda.Stream(non_blocking=True)
+    src = dask_pgas.allocate_symmetric_memory(ins[rank].shape, cp, dtype=dtype, make_symmetric=True)
+    src[...] = cp.arange(src.size, dtype=dtype).reshape(src.shape)
+    cp.cuda.Device().synchronize()
+
+    # 1. the public API
+    r = Reshape(src, ins[rank], outs[rank], stream=stream)
+    r.plan()
+
+    def api():
+        out = r.execute(stream=stream)
+        dask_pgas.free_symmetric_memory(out)
+
+    t_api = timed(api, stream, args.warmup, args.repeat)
+    mode = r._plan.mode
+
+    # 2. bare cuFFTMp on the same boxes (through the binding, no front end)
+    from dask_pgas.bindings import cufftmp
+    from dask_pgas.geometry.cufftmp_layout import cufftmp_layout
+
+    cf = cufftmp.load()
+    lay = cufftmp_layout(ins, outs, 8, "C")
+    h = cf.create()
+    cf.make(h, lay.word_size, *lay.input[rank], *lay.output[rank])
+    nbytes = max(b.size for b in ins + outs) * 8
+    buf_in, buf_out = engine.nv.malloc(nbytes), engine.nv.malloc(nbytes)
+    cp.cuda.runtime.memcpy(buf_in, src.data.ptr, src.nbytes, 3)
+    sh = stream.ptr
+
+    def bare():
+        engine.nv.sync_all_on_stream(sh)
+        cf.execute(h, buf_out, buf_in, 0, sh)
+
+    t_bare = timed(bare, stream, args.warmup, args.repeat)
+    # correctness of the bare path against the API result
+    out = r.execute(stream=stream)
+    stream.synchronize()
+    check = cp.empty_like(out)
+    cp.cuda.runtime.memcpy(check.data.ptr, buf_out, out.nbytes, 3)
+    bare_ok = bool(cp.array_equal(check, out))
+    dask_pgas.free_symmetric_memory(out)
+
+    # 3. device-to-device copy of this PE's bytes
+    dst = cp.empty_like(src)
+
+    def d2d():
+        cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes, 3, sh)
+
+    t_copy = timed(d2d, stream, args.warmup, args.repeat)
+
+    cf.destroy(h)
+    engine.nv.free(buf_in)
+    engine.nv.free(buf_out)
+    r.free()
+    dask_pgas.free_symmetric_memory(src)
+    worst = comm.allreduce(np.array([t_api, t_bare, t_copy]), op=MPI.MAX)
+    ok = comm.allreduce(bare_ok, op=MPI.LAND)
+    total = n * n * 8
+    if rank == 0:
+        t_api, t_bare, t_copy = (float(x) for x in worst)
+        row = dict(
+            pes=p, n=n, mode=mode, status=engine.status, api_ms=round(t_api, 4), bare_ms=round(t_bare, 4),
+            copy_ms=round(t_copy, 4), api_GBps=round(total / t_api / 1e6, 1), bare_GBps=round(total / t_bare / 1e6, 1),
+            copy_GBps=round(total / t_copy / 1e6, 1), api_vs_bare=round(t_bare / t_api, 3), bare_matches_api=ok,
+            mps=bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")), repeat=args.repeat,
+        )
+        print("BENCH " + json.dumps(row), flush=True)
+    dask_pgas.finalize()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""GPU engine checks on K PEs (mpirun -n K python gpu_checks.py): symmetric memory with CuPy and torch, fixed
+reshapes through every plan mode (copy, cuFFTMp, peer), NumPy staging, streams, bad inputs raising on every
+rank, empty boxes, heap empty at the end, finalize and initialize again. Prints ``OK rank=R`` on success and
+``CHECK name ok|FAIL ...`` lines."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+import cupy as cp  # noqa: E402
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import dask_pgas  # noqa: E402
+from dask_pgas import errors  # noqa: E402
+from dask_pgas.distribution import Box  # noqa: E402
+from dask_pgas.reshape import Reshape, reshape  # noqa: E402
+from dask_pgas.runtime import get_engine  # noqa: E402
+
+COMM = MPI.COMM_WORLD
+RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
+FAILED = []
+
+
+def check(name, fn):
+    try:
+        fn()
+        ok = True
+        msg = ""
+    except Exception as exc:  # noqa: BLE001
+        ok = False
+        msg = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+    everyone = COMM.allgather((ok, msg))
+    if RANK == 0:
+        bad = [(r, m) for r, (o, m) in enumerate(everyone) if not o]
+        print(f"CHECK {name} " + ("ok" if not bad else f"FAIL {bad[:2]}"), flush=True)
+    if not all(o for o, _ in everyone):
+        FAILED.append(name)
+
+
+def slabs(shape, axis, sizes=None):
+    n = shape[axis]
+    cuts = [n * i // SIZE for i in range(SIZE + 1)] if sizes is None else sizes
+    boxes = []
+    for i in range(SIZE):
+        lo, up = [0] * len(shape), list(shape)
+        lo[axis], up[axis] = cuts[i], cuts[i + 1]
+        boxes.append(Box(lo, up))
+    return boxes
+
+
+def glob(shape, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, int(np.prod(shape)) * np.dtype(dtype).itemsize, dtype=np.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+def piece(g, box, order="C"):
+    return np.asarray(g[box.relative_to(Box((0,) * g.ndim, g.shape))], order=order)
+
+
+def sym(host, package="cupy", order="C"):
+    if package == "cupy":
+        a = dask_pgas.allocate_symmetric_memory(host.shape, cp, dtype=host.dtype, axis_order=order,
+                                                make_symmetric=True)
+        a.set(np.asarray(host, order=order)) if host.size else None
+        return a
+    import torch
+
+    tdt = torch.from_numpy(np.empty(0, host.dtype)).dtype
+    t = dask_pgas.allocate_symmetric_memory(host.shape, torch, dtype=tdt, axis_order=order, make_symmetric=True)
+    if host.size:
+        t.copy_(torch.from_numpy(np.ascontiguousarray(host)).reshape(t.shape))
+    return t
+
+
+def host(a):
+    if isinstance(a, np.ndarray):
+        return a
+    if type(a).__module__.startswith("cupy"):
+        return cp.asnumpy(a)
+    return a.cpu().numpy()
+
+
+def run_reshape(shape, dtype, ins, outs, package="cupy", order="C", expect_mode=None, stream=None):
+    g = glob(shape, dtype, seed=len(shape) + SIZE)
+    src = sym(piece(g, ins[RANK], order), package, order) if package != "numpy" else piece(g, ins[RANK], order)
+    with Reshape(src, ins[RANK], outs[RANK], stream=stream) as r:
+        r.plan()
+        if expect_mode is not None:
+            assert r._plan.mode == expect_mode, f"mode {r._plan.mode}, expected {expect_mode}"
+        for _ in range(2):
+            out = r.execute(stream=stream)
+            if package != "numpy":
+                if stream is not None:
+                    (stream.synchronize() if hasattr(stream, "synchronize") else cp.cuda.Device().synchronize())
+                else:
+                    cp.cuda.Device().synchronize()
+            got = host(out)
+            want = piece(g, outs[RANK], order)
+            assert got.shape == want.shape, (got.shape, want.shape)
+            assert np.array_equal(np.ascontiguousarray(got).reshape(-1).view(np.uint8),
+                                  np.ascontiguousarray(want).reshape(-1).view(np.uint8)), "wrong values"
+            if package != "numpy":
+                dask_pgas.free_symmetric_memory(out)
+        mode = r._plan.mode
+    if package != "numpy":
+        dask_pgas.free_symmetric_memory(src)
+    return mode
+
+
+def main():
+    dask_pgas.initialize(None, COMM, backends=["nvshmem"])
+    eng = get_engine("nvshmem")
+    if RANK == 0:
+        print(f"INFO status={eng.status} peers_mapped={eng.peers_mapped} device={eng.device} "
+              f"nvshmem={eng.nv.version()} heap={eng.heap_info()}", flush=True)
+
+    def symmetric_cupy():
+        a = dask_pgas.allocate_symmetric_memory((3, 5), cp, dtype="float32")
+        assert isinstance(a, cp.ndarray) and a.shape == (3, 5) and a.dtype == np.float32
+        a[...] = RANK
+        assert eng.on_heap(a) and not eng.on_heap(cp.zeros(4))
+        assert dask_pgas.memory.is_symmetric_memory(a)
+        info = dask_pgas.heap_usage("nvshmem")
+        assert info["allocations"] == 1 and info["heap_size"] > 0, info
+        dask_pgas.free_symmetric_memory(a)
+        for bad in (a, cp.zeros(3)):
+            try:
+                dask_pgas.free_symmetric_memory(bad)
+            except errors.SymmetricMemoryError:
+                pass
+            else:
+                raise AssertionError("free of a freed/foreign array did not raise")
+        f = dask_pgas.allocate_symmetric_memory((4, 6), cp, dtype="complex128", axis_order="F")
+        assert f.flags.f_contiguous
+        try:
+            dask_pgas.free_symmetric_memory(f[1:])
+        except errors.SymmetricMemoryError:
+            pass
+        else:
+            raise AssertionError("free of a view did not raise")
+        dask_pgas.free_symmetric_memory(f)
+        try:
+            dask_pgas.allocate_symmetric_memory((RANK + 1,), cp)
+        except errors.SymmetricMemoryError:
+            if SIZE == 1:
+                raise
+        else:
+            assert SIZE == 1, "different sizes without make_symmetric did not raise"
+
+    def symmetric_torch():
+        import torch
+
+        t = dask_pgas.allocate_symmetric_memory((4, 3), torch, dtype=torch.float64)
+        assert isinstance(t, torch.Tensor) and t.is_cuda and t.shape == (4, 3)
+        t.fill_(1.5)
+        assert float(t.sum()) == 18.0 and eng.on_heap(t) and not eng.on_heap(torch.zeros(3, device="cuda"))
+        b = dask_pgas.allocate_symmetric_memory((2, 3), torch, dtype=torch.bfloat16, axis_order="F")
+        assert b.dtype == torch.bfloat16 and b.stride() == (1, 2)
+        dask_pgas.free_symmetric_memory(t, b)
+
+    check("symmetric-memory-cupy", symmetric_cupy)
+    check("symmetric-memory-torch", symmetric_torch)
+
+    shape = (1001, 1001) if SIZE > 1 else (257, 129)
+    c2r = (slabs(shape, 1), slabs(shape, 0))
+    multi = "cufftmp" if SIZE > 1 else "copy"
+    check("2d-float64-cols-to-rows", lambda: run_reshape(shape, "float64", *c2r, expect_mode=multi))
+    check("2d-float64-F-order", lambda: run_reshape(shape, "float64", *c2r, order="F", expect_mode=multi))
+    check("2d-complex128-torch", lambda: run_reshape(shape, "complex128", *c2r, package="torch"))
+    check("2d-numpy-staged", lambda: run_reshape(shape, "float32", *c2r, package="numpy", expect_mode=multi))
+    s3 = (30, 22, 17)
+    check("3d-x-to-z-float32", lambda: run_reshape(s3, "float32", slabs(s3, 0), slabs(s3, 2)))
+    check("3d-int8-packed", lambda: run_reshape((6, 10, 64), "int8", slabs((6, 10, 64), 0),
+                                                 slabs((6, 10, 64), 1), expect_mode=multi))
+    check("3d-float16-packed-F", lambda: run_reshape((8, 6, 12), "float16", slabs((8, 6, 12), 2),
+                                                      slabs((8, 6, 12), 0), order="F"))
+    s5 = (4, 3, 5, 2, 6)
+    check("5d-merged-float64", lambda: run_reshape(s5, "float64", slabs(s5, 0), slabs(s5, 2), expect_mode=multi))
+    check("odd-itemsize-peer-or-copy", lambda: run_reshape((9, 7), "int8", *(slabs((9, 7), 1), slabs((9, 7), 0)),
+                                                           package="numpy"))
+    st = cp.cuda.Stream(non_blocking=True)
+    check("cupy-stream", lambda: run_reshape(shape, "float64", *c2r, stream=st))
+    check("raw-stream-handle", lambda: run_reshape(shape, "float64", *c2r, stream=st.ptr))
+
+    def torch_stream():
+        import torch
+
+        ts = torch.cuda.Stream()
+        run_reshape(shape, "float64", *c2r, package="torch", stream=ts)
+
+    check("torch-stream", torch_stream)
+    # empty boxes on some ranks: rank 0 owns nothing on input, the last rank nothing on output
+    if SIZE > 1:
+        n = 64
+        ins = slabs((n, n), 1, [0, 0] + [n * i // (SIZE - 1) for i in range(1, SIZE)])
+        outs = slabs((n, n), 0, [n * i // (SIZE - 1) for i in range(SIZE)] + [n])
+        check("empty-boxes", lambda: run_reshape((n, n), "float64", ins, outs))
+        check("empty-boxes-numpy", lambda: run_reshape((n, n), "int16", ins, outs, package="numpy"))
+    os.environ["DASK_PGAS_NVSHMEM_RESHAPE"] = "peer"
+    check("peer-forced", lambda: run_reshape(shape, "float64", *c2r, expect_mode="peer" if SIZE > 1 else "copy"))
+    check("peer-forced-torch-F", lambda: run_reshape(s3, "complex64", slabs(s3, 0), slabs(s3, 2), package="torch",
+                                                     order="F"))
+    del os.environ["DASK_PGAS_NVSHMEM_RESHAPE"]
+
+    def bad_inputs():
+        # a CuPy array not on the heap, on one rank only: every rank raises
+        a = sym(np.zeros((4, 4)))
+        op = a if RANK != SIZE - 1 else cp.zeros((4, 4))
+        b = Box((4 * RANK, 0), (4 * RANK + 4, 4))
+        try:
+            Reshape(op, b, b)
+        except errors.SymmetricMemoryError:
+            pass
+        else:
+            raise AssertionError("off-heap operand did not raise")
+        # overlapping boxes
+        try:
+            Reshape(a, Box((0, 0), (4, 4)), Box((0, 0), (4, 4)))
+        except errors.DistributionError:
+            assert SIZE > 1
+        else:
+            assert SIZE == 1
+        dask_pgas.free_symmetric_memory(a)
+
+    check("bad-inputs-raise-everywhere", bad_inputs)
+
+    def heap_empty():
+        u = dask_pgas.heap_usage("nvshmem")
+        assert u["allocations"] == 0, u
+
+    check("heap-empty", heap_empty)
+    dask_pgas.finalize()
+
+    def reinit():
+        dask_pgas.initialize(None, COMM, backends=["nvshmem"])
+        run_reshape(shape, "float64", *c2r)
+        dask_pgas.finalize()
+
+    if os.environ.get("GPU_CHECK_REINIT", "1") == "1":
+        check("finalize-then-initialize-again", reinit)
+    if FAILED:
+        print(f"FAILED rank={RANK} {FAILED}", flush=True)
+        sys.exit(1)
+    COMM.Barrier()
+    print(f"OK rank={RANK}", flush=True)
+
+
+main()

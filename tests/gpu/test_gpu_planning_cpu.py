@@ -1,0 +1,261 @@
+"""CPU-side checks of the GPU engine (no GPU needed; CI runs these): cuFFTMp 3-D layout planning (padding, axis
+merging, element packing, Fortran order, empty boxes), ctypes struct layouts, environment defaults, and clean
+messages when the GPU libraries are missing."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import itertools
+
+import numpy as np
+import pytest
+
+from dask_pgas.distribution import Box
+from dask_pgas.geometry.cufftmp_layout import (
+    UnsupportedLayout,
+    cufftmp_layout,
+    dense_strides,
+    merge_axes,
+    pack_words,
+)
+
+
+def slabs(shape, axis, nranks):
+    n = shape[axis]
+    out = []
+    for i in range(nranks):
+        lo, up = [0] * len(shape), list(shape)
+        lo[axis], up[axis] = n * i // nranks, n * (i + 1) // nranks
+        out.append(Box(lo, up))
+    return out
+
+
+def boxes_cover(layout, nranks):
+    """Every rank's 3-D box has strides dense for its extents, and the boxes tile the 3-D domain."""
+    for lo, up, st in (*layout.input, *layout.output):
+        assert len(lo) == len(up) == len(st) == 3
+        assert st == dense_strides([u - l for l, u in zip(lo, up)])
+    for side in (layout.input, layout.output):
+        total = sum(int(np.prod([u - l for l, u in zip(lo, up)])) for lo, up, _ in side)
+        assert total == int(np.prod(layout.domain))
+
+
+def test_2d_padded_to_3d():
+    lay = cufftmp_layout(slabs((8, 6), 1, 2), slabs((8, 6), 0, 2), 8)
+    assert lay.word_size == 8
+    assert lay.domain == (1, 8, 6)
+    assert lay.input[0] == ((0, 0, 0), (1, 8, 3), (24, 3, 1))
+    assert lay.output[1] == ((0, 4, 0), (1, 8, 6), (24, 6, 1))
+    boxes_cover(lay, 2)
+
+
+def test_1d_padded():
+    lay = cufftmp_layout([Box((0,), (5,)), Box((5,), (12,))], [Box((0,), (7,)), Box((7,), (12,))], 4)
+    assert lay.domain == (1, 1, 12)
+    assert lay.input[1][:2] == ((0, 0, 5), (1, 1, 12))
+
+
+def test_widest_word_used():
+    lay = cufftmp_layout(slabs((8192, 8192), 1, 2), slabs((8192, 8192), 0, 2), 8)
+    assert lay.word_size == 16 and lay.domain == (1, 8192, 4096)
+
+
+def test_merge_full_inner_axes():
+    shape = (4, 3, 5, 2, 6)
+    lay = cufftmp_layout(slabs(shape, 0, 2), slabs(shape, 2, 2), 8)
+    # axes 3,4 are full everywhere -> merged; the result fits in 3-D
+    boxes_cover(lay, 2)
+    assert int(np.prod(lay.domain)) * lay.word_size == int(np.prod(shape)) * 8
+
+
+def test_merge_axes_extent_one():
+    boxes, dom = merge_axes([([0, 2], [1, 5]), ([1, 0], [2, 6])], [2, 6])
+    assert dom == [12] and boxes == [([2], [5]), ([6], [12])] or dom == [2, 6]
+
+
+def test_unmergeable_4d_raises():
+    shape = (4, 4, 4, 4)
+    ins = [Box((0, 0, 0, 0), (2, 4, 4, 2)), Box((2, 0, 0, 0), (4, 4, 4, 2)),
+           Box((0, 0, 0, 2), (2, 4, 4, 4)), Box((2, 0, 0, 2), (4, 4, 4, 4))]
+    outs = [Box((0, 0, 0, 0), (4, 2, 2, 4)), Box((0, 2, 0, 0), (4, 4, 2, 4)),
+            Box((0, 0, 2, 0), (4, 2, 4, 4)), Box((0, 2, 2, 0), (4, 4, 4, 4))]
+    with pytest.raises(UnsupportedLayout, match="at most 3 axes"):
+        cufftmp_layout(ins, outs, 8)
+
+
+@pytest.mark.parametrize("itemsize,word", [(1, 16), (2, 16), (4, 16), (8, 16), (16, 16), (32, 16), (12, 16)])
+def test_packing_when_bounds_allow(itemsize, word):
+    shape = (6, 64)
+    lay = cufftmp_layout(slabs(shape, 0, 2), slabs(shape, 1, 2), itemsize)
+    assert lay.word_size == word
+    assert lay.domain[-1] * word == 64 * itemsize
+
+
+def test_packing_refused_with_clear_message():
+    with pytest.raises(UnsupportedLayout, match="cannot be packed"):
+        cufftmp_layout(slabs((4, 5), 0, 2), slabs((4, 5), 1, 2), 1)
+
+
+def test_pack_words_bytes():
+    w, boxes, dom = pack_words([([0], [6]), ([6], [10])], [10], 2)
+    assert w == 4 and dom == [5] and boxes == [([0], [3]), ([3], [5])]
+
+
+def test_fortran_reverses_axes():
+    c = cufftmp_layout(slabs((6, 10), 0, 2), slabs((6, 10), 1, 2), 8, "C")
+    f = cufftmp_layout(slabs((10, 6), 1, 2), slabs((10, 6), 0, 2), 8, "F")
+    assert c == f
+
+
+def test_empty_boxes_marked():
+    ins = [Box((0, 0), (0, 4)), Box((0, 0), (4, 4))]
+    outs = [Box((0, 0), (2, 4)), Box((2, 0), (4, 4))]
+    lay = cufftmp_layout(ins, outs, 8)
+    assert lay.empty_input_ranks == (0,) and lay.empty_output_ranks == ()
+    assert lay.input[0][0] == lay.input[0][1] == (0, 0, 0)
+    assert lay.has_empty
+
+
+def test_offset_domain():
+    ins = [Box((10, 5), (12, 9)), Box((12, 5), (14, 9))]
+    outs = [Box((10, 5), (14, 7)), Box((10, 7), (14, 9))]
+    lay = cufftmp_layout(ins, outs, 4)
+    assert lay.input[0][0] == (0, 0, 0)
+    boxes_cover(lay, 2)
+
+
+def _reference_merge_check(shape, ins, outs, itemsize):
+    """The 3-D word layout addresses the same bytes: map every element's global byte position through both."""
+    lay = cufftmp_layout(ins, outs, itemsize)
+    return lay
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_layouts_cover_domain(seed):
+    rng = np.random.default_rng(seed)
+    ndim = int(rng.integers(1, 5))
+    shape = tuple(int(x) for x in rng.integers(1, 7, ndim))
+    nranks = int(rng.integers(1, 4))
+    axis_in, axis_out = int(rng.integers(0, ndim)), int(rng.integers(0, ndim))
+    itemsize = int(rng.choice([1, 2, 4, 8, 16]))
+    try:
+        lay = cufftmp_layout(slabs(shape, axis_in, nranks), slabs(shape, axis_out, nranks), itemsize)
+    except UnsupportedLayout:
+        return
+    boxes_cover(lay, nranks)
+    assert int(np.prod(lay.domain)) * lay.word_size == int(np.prod(shape)) * itemsize
+
+
+# -- ctypes layouts and bindings -----------------------------------------------------------------------------
+def test_nvshmem_struct_layouts():
+    from dask_pgas.bindings import nvshmem
+
+    assert ctypes.sizeof(nvshmem.UniqueId) == 128
+    assert ctypes.sizeof(nvshmem.InitAttr) == 144
+    assert nvshmem.InitAttr.mpi_comm.offset == 8
+    assert nvshmem.InitAttr.args.offset == 16
+    uid_args = 16 + nvshmem._InitArgs.uid_args.offset
+    assert uid_args == 24
+    assert uid_args + nvshmem._UidArgs.id.offset == 32
+    assert uid_args + nvshmem._UidArgs.myrank.offset == 40
+    assert uid_args + nvshmem._UidArgs.nranks.offset == 44
+
+
+def test_missing_libraries_messages(monkeypatch, tmp_path):
+    from dask_pgas import bindings
+    from dask_pgas.bindings import cufftmp, nvshmem
+
+    monkeypatch.setattr("sys.path", [str(tmp_path)])
+    monkeypatch.delenv("DASK_PGAS_NVSHMEM_LIB", raising=False)
+    monkeypatch.delenv("DASK_PGAS_CUFFTMP_LIB", raising=False)
+    monkeypatch.setattr(nvshmem, "_instance", None)
+    monkeypatch.setattr(cufftmp, "_instance", None)
+    with pytest.raises(bindings.LibraryNotFound, match=r"libnvshmem_host.so.3.*cuda13"):
+        nvshmem.load()
+    with pytest.raises(ImportError, match=r"cuFFTMp.*dask_pgas\[cuda1"):
+        cufftmp.load()
+
+
+def test_unavailable_reason_names_the_extra():
+    from dask_pgas.engines.nvshmem import NVSHMEMEngine
+
+    reason = NVSHMEMEngine.unavailable_reason()
+    if importlib.util.find_spec("cupy") is None and importlib.util.find_spec("torch") is None:
+        assert reason is not None and "dask_pgas[cuda13]" in reason
+    else:  # pragma: no cover - depends on the machine
+        assert reason is None or isinstance(reason, str)
+
+
+def test_import_is_light_and_public_names():
+    import dask_pgas
+
+    assert callable(dask_pgas.get_nvshmem_uniqueid) and callable(dask_pgas.initialize_from_uniqueid)
+    assert "mpi" in dask_pgas.runtime.BACKENDS and "nvshmem" in dask_pgas.runtime.BACKENDS
+
+
+def test_env_defaults():
+    from dask_pgas.engines.nvshmem import apply_env_defaults
+
+    env = {}
+    apply_env_defaults(True, env)
+    assert env["NVSHMEM_DISABLE_NVLS"] == "1" and env["NVSHMEM_REMOTE_TRANSPORT"] == "none"
+    assert env["NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"] == "lo"
+    env = {"NVSHMEM_DISABLE_NVLS": "0", "NVSHMEM_REMOTE_TRANSPORT": "ibrc", "DASK_PGAS_HEAP_SIZE": "4g"}
+    apply_env_defaults(True, env)
+    assert env["NVSHMEM_DISABLE_NVLS"] == "0" and env["NVSHMEM_REMOTE_TRANSPORT"] == "ibrc"
+    assert env["NVSHMEM_SYMMETRIC_SIZE"] == "4g"
+    env = {"NVSHMEM_DISABLE_NVLS": "yes"}
+    apply_env_defaults(False, env)
+    assert env["NVSHMEM_DISABLE_NVLS"] == "1" and "NVSHMEM_REMOTE_TRANSPORT" not in env
+
+
+@pytest.mark.parametrize("text,value", [("1073741824", 1 << 30), ("4g", 4 << 30), ("512M", 512 << 20),
+                                        ("2GiB", 2 << 30), (None, 1 << 30)])
+def test_parse_size(text, value):
+    from dask_pgas.engines.nvshmem import parse_size
+
+    assert parse_size(text) == value
+
+
+def test_stream_handle_forms():
+    from dask_pgas.engines.nvshmem import stream_handle
+
+    class CupyLike:
+        ptr = 1234
+
+    class TorchLike:
+        cuda_stream = 99
+
+    class Proto:
+        def __cuda_stream__(self):
+            return (0, 77)
+
+    assert stream_handle(5) == 5 and stream_handle(None) == 0
+    assert stream_handle(CupyLike()) == 1234 and stream_handle(TorchLike()) == 99 and stream_handle(Proto()) == 77
+    with pytest.raises(TypeError):
+        stream_handle("default")
+
+
+def test_layout_is_byte_exact_against_numpy():
+    """Simulate cuFFTMp on the 3-D word description with NumPy: the bytes land where the N-D reshape says."""
+    rng = np.random.default_rng(0)
+    for shape, ax_in, ax_out, dtype, order, n in itertools.product(
+        [(6, 8), (4, 3, 8), (2, 3, 4, 8)], [0, 1], [0, -1], ["int8", "float16", "float64", "complex128"], "CF", [1, 2, 3]
+    ):
+        dt = np.dtype(dtype)
+        ins, outs = slabs(shape, ax_in, n), slabs(shape, ax_out % len(shape), n)
+        try:
+            lay = cufftmp_layout(ins, outs, dt.itemsize, order)
+        except UnsupportedLayout:
+            continue
+        glob = rng.integers(0, 256, int(np.prod(shape)) * dt.itemsize, dtype=np.uint8).view(dt).reshape(shape)
+        word = np.dtype(f"V{lay.word_size}")
+        # the global array as seen by cuFFTMp: C order of the (reversed for F) axes, as 3-D words
+        g3 = np.ascontiguousarray(glob if order == "C" else glob.T).reshape(-1).view(np.uint8).view(word).reshape(lay.domain)
+        for r in range(n):
+            lo, up, _ = lay.output[r]
+            got = g3[tuple(slice(a, b) for a, b in zip(lo, up))]
+            want = np.asarray(glob[outs[r].relative_to(Box((0,) * len(shape), shape))], order=order)
+            want_bytes = (want if order == "C" else want.T).tobytes() if want.size else b""
+            assert np.ascontiguousarray(got).tobytes() == want_bytes, (shape, ax_in, ax_out, dtype, order, n, r)
