@@ -1,0 +1,33 @@
+"""Dask integration: a PGAS world on a Dask cluster and ``rechunk`` as one collective reshape.
+
+Importing this package loads the ``pgas.*`` config defaults; it never patches Dask (see :func:`install`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import dask
+import yaml
+
+with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "pgas.yaml")) as _f:
+    dask.config.update_defaults(yaml.safe_load(_f))
+
+from ._client import World, bootstrap, teardown, world  # noqa: E402
+from ._cluster import LocalMPICluster  # noqa: E402
+from ._exceptions import PGASRechunkUnsupported, PGASWorldError  # noqa: E402
+from ._rechunk import install, installed, rechunk, uninstall  # noqa: E402
+
+__all__ = [
+    "LocalMPICluster",
+    "PGASRechunkUnsupported",
+    "PGASWorldError",
+    "World",
+    "bootstrap",
+    "install",
+    "installed",
+    "rechunk",
+    "teardown",
+    "uninstall",
+    "world",
+]

@@ -1,0 +1,208 @@
+"""``LocalMPICluster``: a scheduler plus N MPI worker ranks on this machine, for laptops, CI and notebooks.
+
+The scheduler runs as a subprocess (``python -m distributed.cli.dask_scheduler``); the workers are one MPI job
+(``mpiexec -n N python -m dask_pgas.integration._worker_main``) with the ``mpiexec`` found next to the Python
+interpreter or on ``PATH``. Output of both goes to log files (``cluster.logs()``), so closing prints nothing.
+On start the PGAS world is bootstrapped (``bootstrap=False`` to skip). ``close()`` tears the world down
+collectively, shuts the scheduler and workers down and kills whatever is left: no processes stay behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from distributed.core import Status
+
+__all__ = ["LocalMPICluster"]
+
+
+def _mpiexec() -> str:
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.path.exists(here):
+        return here
+    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    if found is None:
+        raise RuntimeError("mpiexec not found: pip install mpich (or load your MPI module)")
+    return found
+
+
+class _Done:
+    """``close()`` result that also works with ``await`` (``Client.shutdown`` awaits ``cluster.close()``)."""
+
+    def __await__(self):
+        return iter(())
+
+
+class LocalMPICluster:
+    """A local Dask cluster whose workers are the ranks of one MPI job.
+
+    >>> with LocalMPICluster(n_workers=4) as cluster, Client(cluster) as client:   # doctest: +SKIP
+    ...     y = dask_pgas.rechunk(x, (1000, -1)).persist()
+    """
+
+    def __init__(
+        self,
+        n_workers: int = 2,
+        *,
+        threads_per_worker: int = 1,
+        memory_limit: str = "auto",
+        bootstrap: bool = True,
+        backends: Any = None,
+        mpiexec_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        timeout: float = 120.0,
+    ) -> None:
+        self.n_workers = n_workers
+        self.status = Status.created
+        self._dir = tempfile.mkdtemp(prefix="dask-pgas-cluster-")
+        self.scheduler_file = os.path.join(self._dir, "scheduler.json")
+        self._env = {**os.environ, **(env or {})}
+        self._env.setdefault("PYTHONUNBUFFERED", "1")
+        self._procs: list[subprocess.Popen] = []
+        self._logs: list = []
+        try:
+            self._scheduler = self._spawn(
+                "scheduler",
+                [sys.executable, "-m", "distributed.cli.dask_scheduler", "--scheduler-file", self.scheduler_file,
+                 "--host", "127.0.0.1", "--port", "0", "--no-dashboard"],
+            )
+            self._wait_for_file(timeout)
+            self._workers = self._spawn(
+                "workers",
+                [_mpiexec(), "-n", str(n_workers), "-disable-auto-cleanup", *mpiexec_args, sys.executable,
+                 "-m", "dask_pgas.integration._worker_main", "--scheduler-file", self.scheduler_file,
+                 "--nthreads", str(threads_per_worker), "--memory-limit", str(memory_limit),
+                 "--local-directory", self._dir],
+            )
+            from distributed import Client
+
+            with Client(self.scheduler_address, timeout=timeout) as client:
+                client.wait_for_workers(n_workers, timeout=timeout)
+                if bootstrap:
+                    from ._client import bootstrap as _bootstrap
+
+                    self.world = _bootstrap(client, backends=backends)
+            self.status = Status.running
+        except BaseException:
+            self._kill()
+            raise
+
+    # ------------------------------------------------------------------ processes
+    def _spawn(self, what: str, cmd: list[str]) -> subprocess.Popen:
+        log = open(os.path.join(self._dir, f"{what}.log"), "wb")  # noqa: SIM115 - closed in _kill
+        self._logs.append(log)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env, start_new_session=True,
+                                stdin=subprocess.DEVNULL)
+        self._procs.append(proc)
+        return proc
+
+    def _wait_for_file(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._scheduler.poll() is not None:
+                raise RuntimeError(f"the scheduler exited at start:\n{self.logs()}")
+            try:
+                with open(self.scheduler_file) as f:
+                    self._info = json.load(f)
+                return
+            except (OSError, ValueError):
+                time.sleep(0.05)
+        raise TimeoutError(f"no scheduler after {timeout}s:\n{self.logs()}")
+
+    @property
+    def scheduler_address(self) -> str:
+        return self._info["address"]
+
+    @property
+    def dashboard_link(self) -> str:
+        return ""
+
+    def logs(self) -> str:
+        out = []
+        for name in ("scheduler", "workers"):
+            path = os.path.join(self._dir, f"{name}.log")
+            if os.path.exists(path):
+                with open(path, errors="replace") as f:
+                    out.append(f"--- {name} ---\n{f.read()}")
+        return "\n".join(out)
+
+    def worker_pids(self) -> list[int]:
+        """PIDs of the MPI worker processes (children of mpiexec)."""
+        pids = []
+        for proc in self._procs[1:]:
+            try:
+                out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout
+            except OSError:  # pragma: no cover
+                return pids
+            for child in out.split():
+                grand = subprocess.run(["pgrep", "-P", child], capture_output=True, text=True).stdout.split()
+                pids.extend(int(g) for g in grand) if grand else pids.append(int(child))
+        return pids
+
+    # ------------------------------------------------------------------ closing
+    def close(self, timeout: float = 30.0) -> _Done:
+        if self.status in (Status.closed, Status.closing):
+            return _Done()
+        self.status = Status.closing
+        try:
+            from distributed import Client
+
+            with Client(self.scheduler_address, timeout=10) as client:
+                from ._client import teardown, world
+
+                w = world(client)
+                if w is not None and not w.broken:
+                    try:
+                        teardown(client)
+                    except Exception:
+                        pass
+                client.shutdown()
+        except Exception:
+            pass
+        deadline = time.monotonic() + timeout
+        for proc in self._procs:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                pass
+        self._kill()
+        self.status = Status.closed
+        return _Done()
+
+    def _kill(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            alive = [p for p in self._procs if p.poll() is None]
+            for p in alive:
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+            for p in alive:
+                try:
+                    p.wait(5)
+                except subprocess.TimeoutExpired:
+                    pass
+        for log in self._logs:
+            log.close()
+
+    def __enter__(self) -> LocalMPICluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "status", Status.closed) not in (Status.closed,) and getattr(self, "_procs", None):
+            self._kill()
+
+    def __repr__(self) -> str:
+        addr = getattr(self, "_info", {}).get("address", "?")
+        return f"LocalMPICluster({addr!r}, workers={self.n_workers}, status={self.status.name})"

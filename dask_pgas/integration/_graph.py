@@ -1,0 +1,108 @@
+"""The task graph of one pgas rechunk: P transfer tasks, one barrier, one output task per output chunk.
+
+Transfer and output tasks are :class:`PinnedTask` (a ``Task`` subclass that blocks fusion and carries its PE);
+the scheduler plugin pins them to the PE's worker in ``update_graph``. Nothing here waits for peers: the
+barrier asks the scheduler to run the collective and returns when every PE has finished it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dask._task_spec import Task, TaskRef
+
+from ..errors import CollectiveError
+from ._worker_plugin import RunSpec, get_plugin
+
+
+class PinnedTask(Task):
+    """A task that must run on the worker of PE ``pe`` of PGAS world ``epoch`` (never fused away)."""
+
+    pe: int
+    epoch: int
+
+    __slots__ = tuple(__annotations__)
+
+    def __init__(self, key: Any, func, /, *args: Any, pe: int, epoch: int, **kwargs: Any) -> None:
+        self.pe = pe
+        self.epoch = epoch
+        super().__init__(key, func, *args, **kwargs)
+
+    def copy(self):
+        return type(self)(self.key, self.func, *self.args, pe=self.pe, epoch=self.epoch, **self.kwargs)
+
+    @property
+    def block_fusion(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"PinnedTask({self.key!r}, pe={self.pe})"
+
+
+class BarrierTask(Task):
+    __slots__ = ()
+
+    @property
+    def block_fusion(self) -> bool:
+        return True
+
+
+def transfer(name: str, pe: int, epoch: int, spec: RunSpec, pieces: tuple, *arrays: Any) -> int:
+    """On PE ``pe``: hand references to this PE's input chunks to the plugin (no copy, no waiting)."""
+    get_plugin().stage(name, pe, epoch, spec, pieces, arrays)
+    return pe
+
+
+def barrier(name: str, epoch: int, *transfers: int) -> int:
+    """Ask the scheduler to run the collective of ``name`` on every PE, in the global order; wait for it."""
+    from distributed import get_worker
+    from distributed.utils import sync
+
+    worker = get_worker()
+    result = sync(worker.loop, worker.scheduler.pgas_barrier, name=name, epoch=epoch)
+    if result["status"] != "OK":
+        raise CollectiveError(result["message"])
+    return result["run"]
+
+
+def output(name: str, pe: int, epoch: int, box_slices: tuple, whole: bool, run: int) -> Any:
+    """On PE ``pe``: this output chunk, cut out of the PE's output box."""
+    return get_plugin().take(name, pe, epoch, box_slices, whole)
+
+
+def empty_chunk(meta: Any, shape: tuple) -> Any:
+    from dask.array.utils import meta_from_array
+
+    import numpy as np
+
+    return np.empty_like(meta_from_array(meta), shape=shape)
+
+
+def build_graph(x, plan, name: str, epoch: int, spec: RunSpec) -> dict:
+    """Tasks of one pgas rechunk of ``x`` following ``plan`` (a :class:`~dask_pgas.geometry.chunks.ChunkPlan`)."""
+    import numpy as np
+
+    token = name[len("pgas-rechunk-"):]
+    tname, bname = f"pgas-transfer-{token}", f"pgas-barrier-{token}"
+    dsk: dict = {}
+    for pe, pieces in enumerate(plan.inputs):
+        key = (tname, pe)
+        refs = [TaskRef((x.name, *p.index)) for p in pieces]
+        slices = tuple((p.chunk_slices, p.box_slices) for p in pieces)
+        dsk[key] = PinnedTask(key, transfer, name, pe, epoch, spec, slices, *refs, pe=pe, epoch=epoch)
+    dsk[bname] = BarrierTask(bname, barrier, name, epoch, *(TaskRef((tname, pe)) for pe in range(plan.npes)))
+    done = set()
+    for pe, pieces in enumerate(plan.outputs):
+        box = plan.output_boxes[pe]
+        for p in pieces:
+            key = (name, *p.index)
+            whole = tuple(s.stop - s.start for s in p.box_slices) == box.shape
+            dsk[key] = PinnedTask(key, output, name, pe, epoch, p.box_slices, whole, TaskRef(bname),
+                                  pe=pe, epoch=epoch)
+            done.add(p.index)
+    for index in np.ndindex(*(len(c) for c in plan.chunks_out)):
+        if index not in done:  # chunks without elements
+            key = (name, *index)
+            shape = tuple(plan.chunks_out[a][i] for a, i in enumerate(index))
+            dsk[key] = Task(key, empty_chunk, x._meta, shape)
+    return dsk

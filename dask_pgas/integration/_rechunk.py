@@ -1,0 +1,254 @@
+"""``dask_pgas.rechunk``: a Dask array rechunk done as ONE collective reshape over the PGAS world.
+
+::
+
+    input chunks (anywhere)          P PEs (one per worker)                      output chunks (on owners)
+    ─────────────────────           ───────────────────────────────────         ──────────────────────────
+    x[0,0] x[0,1] ──┐                transfer(pe) pinned to PE's worker:
+    x[1,0] x[1,1] ──┼──► (Dask moves   stage refs to the chunks of the
+       ...          │     only chunks  PE's input Box (chunk-aligned,
+                    │     not already  owner-aware: placed data stays)
+                    │     on the PE)          │ x P
+                    │                         ▼
+                    │                barrier ──RPC──► scheduler: run id + global seq
+                    │                         │          │ pgas_start(seq) to every PE
+                    │                         │          ▼
+                    │                         │   collective thread (one per worker, in seq order):
+                    │                         │     pack chunks → symmetric input buffer (zero copy
+                    │                         │     when one C-contiguous chunk IS the box)
+                    │                         │     plan.execute: ONE Alltoallw / NVSHMEM reshape
+                    │                         │     input Box[pe] ─────────► output Box[pe]
+                    │                         │     (watchdog: pgas.collective-timeout)
+                    │                         ▼ returns when every PE is done
+                    └──────────────► output(chunk) pinned to owner: slice of the PE's output Box ──► y[i,j]
+
+Planning (``dask_pgas.geometry.chunks``) turns the input grid into one input Box per PE and the output grid
+into one chunk-aligned output Box per PE; the scheduler plugin pins tasks, orders collectives and fails them
+when a member leaves. Cases the collective cannot do follow ``pgas.fallback``.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import dask
+import numpy as np
+
+from ._exceptions import PGASRechunkUnsupported, PGASWorldError
+from ._worker_plugin import RunSpec
+
+__all__ = ["install", "installed", "rechunk", "uninstall"]
+
+# name of a pgas rechunk output -> {output chunk index: PE}, so that a following rechunk knows the placement
+_owners: OrderedDict[str, dict] = OrderedDict()
+_owners_lock = threading.Lock()
+
+
+def _original_rechunk():
+    fn = sys.modules["dask.array.rechunk"].rechunk
+    return getattr(fn, "__pgas_original__", fn)
+
+
+def _fallback(x, chunks, reason: str, fix: str, threshold, block_size_limit, balance):
+    policy = dask.config.get("pgas.fallback", "raise")
+    if policy in ("tasks", "p2p"):
+        return _original_rechunk()(x, chunks, threshold=threshold, block_size_limit=block_size_limit,
+                                   balance=balance, method=policy)
+    if policy != "raise":
+        raise ValueError(f"config pgas.fallback must be 'raise', 'tasks' or 'p2p', not {policy!r}")
+    raise PGASRechunkUnsupported(
+        f"method='pgas' cannot rechunk this array: {reason}. {fix} Or set "
+        "dask.config.set({'pgas.fallback': 'tasks'}) (or 'p2p') to use Dask's own rechunk in such cases."
+    )
+
+
+def _normalize(x, chunks, block_size_limit, balance):
+    """Exactly the preprocessing of ``dask.array.rechunk.rechunk`` (dict/None/-1/'auto'/balance)."""
+    from dask.array.core import normalize_chunks
+    from dask.array.rechunk import _balance_chunksizes, _validate_rechunk
+    from dask.array.utils import validate_axis
+
+    if isinstance(chunks, dict):
+        chunks = {validate_axis(c, x.ndim): v for c, v in chunks.items()}
+        for i in range(x.ndim):
+            if i not in chunks or chunks[i] is None:
+                chunks[i] = x.chunks[i]
+    if isinstance(chunks, (tuple, list)):
+        chunks = tuple(lc if lc is not None else rc for lc, rc in zip(chunks, x.chunks))
+    chunks = normalize_chunks(chunks, x.shape, limit=block_size_limit, dtype=x.dtype, previous_chunks=x.chunks)
+    if len(chunks) != x.ndim:
+        raise ValueError("Provided chunks are not consistent with shape")
+    if balance:
+        chunks = tuple(_balance_chunksizes(c) for c in chunks)
+    _validate_rechunk(x.chunks, chunks)
+    return chunks
+
+
+def _world(client) -> dict | None:
+    try:
+        return client.sync(client.scheduler.pgas_world)
+    except Exception:  # the scheduler plugin is not registered
+        return None
+
+
+def _input_locations(client, x, world: dict) -> dict:
+    """Input chunk index -> PE for chunks already in memory on a PE (or produced by an earlier pgas rechunk)."""
+    with _owners_lock:
+        known = _owners.get(x.name)
+    if known is not None:
+        return known
+    if x.npartitions > 200_000:
+        return {}
+    pe_of = {addr: pe for pe, addr in enumerate(world["workers"])}
+    keys = [k for k in dask.core.flatten(x.__dask_keys__())]
+    try:
+        who_has = client.who_has(keys)
+    except Exception:  # pragma: no cover - older/newer client API
+        return {}
+    out = {}
+    for key, holders in who_has.items():
+        pes = [pe_of[h] for h in holders if h in pe_of]
+        if pes:
+            out[tuple(key[1:])] = pes[0]
+    return out
+
+
+def rechunk(
+    x,
+    chunks: Any = "auto",
+    threshold: int | None = None,
+    block_size_limit: int | None = None,
+    balance: bool = False,
+    *,
+    client=None,
+    _delay: float = 0.0,
+):
+    """Rechunk ``x`` like ``x.rechunk(chunks, ...)``, moving the data in ONE collective reshape.
+
+    Accepts every ``chunks`` form of :meth:`dask.array.Array.rechunk` (ints, tuples, dict by axis, ``-1``,
+    ``None``, ``"auto"``, ``balance``). Lazy: returns a Dask array; the collective runs when it is computed.
+    Needs a PGAS world on the cluster of ``client`` (default: the current client), see
+    :func:`dask_pgas.bootstrap`. Unsupported cases follow config ``pgas.fallback``.
+    """
+    import dask.array as da
+    from dask.array.core import new_da_object
+    from dask.base import tokenize
+    from dask.highlevelgraph import HighLevelGraph
+
+    from ..geometry.chunks import plan_chunks
+    from ._graph import build_graph
+
+    args = (threshold, block_size_limit, balance)
+    if not isinstance(x, da.Array) or dask.config.get("array.query-planning", False):
+        return _fallback(x, chunks, "array-expression mode (array.query-planning) is not supported",
+                         "Disable it with dask.config.set({'array.query-planning': False}).", *args)
+    if x.ndim > 0 and all(s == 0 for s in x.shape):
+        return x
+    if any(np.isnan(s) for s in x.shape) or any(np.isnan(c) for axis in x.chunks for c in axis):
+        return _fallback(x, chunks, "the input has unknown (NaN) chunk sizes",
+                         "Call x.compute_chunk_sizes() first.", *args)
+    chunks = _normalize(x, chunks, block_size_limit, balance)
+    if not balance and chunks == x.chunks:
+        return x
+    if x.dtype.hasobject:
+        return _fallback(x, chunks, f"dtype {x.dtype} holds Python objects", "Use a numeric dtype.", *args)
+    if x.ndim == 0 or x.size == 0:
+        return _original_rechunk()(x, chunks, *args, method="tasks")
+    package = type(x._meta).__module__.split(".")[0]
+    if package not in ("numpy", "cupy"):
+        return _fallback(x, chunks, f"chunks of type {type(x._meta).__name__} are not supported",
+                         "Use NumPy or CuPy chunks.", *args)
+    if client is None:
+        try:
+            from distributed import default_client
+
+            client = default_client()
+        except (ImportError, ValueError):
+            return _fallback(x, chunks, "there is no Dask distributed client",
+                             "Start one on a cluster with a PGAS world (dask_pgas.LocalMPICluster + "
+                             "dask_pgas.bootstrap(client)).", *args)
+    world = _world(client)
+    if not world or not world["workers"]:
+        return _fallback(x, chunks, "the cluster has no PGAS world", "Call dask_pgas.bootstrap(client).", *args)
+    if world["broken"]:
+        return _fallback(x, chunks, f"the PGAS world is broken: {world['broken']}",
+                         "Restart the cluster and call dask_pgas.bootstrap(client).", *args)
+    if package == "cupy" and "nvshmem" not in world["backends"]:
+        return _fallback(x, chunks, "CuPy chunks need the 'nvshmem' backend on GPU workers",
+                         "Bootstrap GPU workers with backends=['nvshmem'].", *args)
+    if package == "numpy" and "mpi" not in world["backends"]:
+        return _fallback(x, chunks, "NumPy chunks on a GPU-only world",
+                         "Bootstrap with backends=['nvshmem', 'mpi'] or use CuPy chunks (x.map_blocks(cupy.asarray)).",
+                         *args)
+    npes = len(world["workers"])
+    locations = _input_locations(client, x, world)
+    plan = plan_chunks(x.chunks, chunks, npes, locations)
+    spec = RunSpec(plan.input_boxes, plan.output_boxes, x.dtype.str, package, float(_delay))
+    token = tokenize(x, chunks, "pgas", world["epoch"], npes, spec)
+    name = f"pgas-rechunk-{token}"
+    dsk = build_graph(x, plan, name, world["epoch"], spec)
+    with _owners_lock:
+        _owners[name] = plan.output_owner()
+        while len(_owners) > 64:
+            _owners.popitem(last=False)
+    graph = HighLevelGraph.from_collections(name, dsk, dependencies=[x])
+    return new_da_object(graph, name, chunks, meta=x._meta, dtype=x.dtype)
+
+
+# ---------------------------------------------------------------------------- dispatch from Array.rechunk
+_install_lock = threading.Lock()
+
+
+def installed() -> bool:
+    return hasattr(sys.modules.get("dask.array.rechunk") and sys.modules["dask.array.rechunk"].rechunk,
+                   "__pgas_original__")
+
+
+def install() -> None:
+    """Make ``x.rechunk(..., method="pgas")`` and config ``array.rechunk.method: pgas`` use :func:`rechunk`.
+
+    Opt-in and idempotent; ``"tasks"`` and ``"p2p"`` (and the automatic choice) are passed through untouched.
+    Undo with :func:`uninstall`.
+    """
+    import importlib
+
+    module = importlib.import_module("dask.array.rechunk")  # the module: ``dask.array.rechunk`` is the function
+    with _install_lock:
+        if hasattr(module.rechunk, "__pgas_original__"):
+            return
+        original = module.rechunk
+
+        def rechunk_with_pgas(x, chunks="auto", threshold=None, block_size_limit=None, balance=False,
+                              method=None):
+            if (method or dask.config.get("array.rechunk.method", None)) == "pgas":
+                return rechunk(x, chunks, threshold=threshold, block_size_limit=block_size_limit,
+                               balance=balance)
+            return original(x, chunks, threshold=threshold, block_size_limit=block_size_limit,
+                            balance=balance, method=method)
+
+        rechunk_with_pgas.__doc__ = original.__doc__
+        rechunk_with_pgas.__wrapped__ = original
+        rechunk_with_pgas.__pgas_original__ = original
+        module.rechunk = rechunk_with_pgas
+        package = sys.modules["dask.array"]
+        if getattr(package, "rechunk", None) is original:
+            package.rechunk = rechunk_with_pgas
+
+
+def uninstall() -> None:
+    """Undo :func:`install`."""
+    module = sys.modules.get("dask.array.rechunk")
+    with _install_lock:
+        if module is None or not hasattr(module.rechunk, "__pgas_original__"):
+            return
+        wrapper = module.rechunk
+        module.rechunk = wrapper.__pgas_original__
+        package = sys.modules["dask.array"]
+        if getattr(package, "rechunk", None) is wrapper:
+            package.rechunk = wrapper.__pgas_original__
+
+
+__all__ += ["PGASWorldError"]

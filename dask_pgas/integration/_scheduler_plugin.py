@@ -1,0 +1,330 @@
+"""The scheduler side: the PGAS world (PE <-> worker), task pinning, the global order of collectives, failures.
+
+* ``pgas_bootstrap`` fixes the world (workers ordered by MPI rank), and brings the runtime up on every member
+  (a workers-only communicator, or an NVSHMEM unique id made on PE 0 and handed to all);
+* ``update_graph`` pins transfer and output tasks of pgas rechunks to their PE's worker
+  (``worker_restrictions``, ``loose_restrictions=False``) before the scheduler transitions them;
+* ``pgas_barrier`` (called by a barrier task) numbers the run and tells every member to run it; members run
+  collectives strictly in that order on their collective thread. A watchdog fails the run when it does not end
+  within ``pgas.collective-timeout``;
+* ``remove_worker`` fails in-flight runs at once, marks the world broken and errs tasks pinned to the lost
+  worker (they could never run); ``valid_workers_downscaling`` keeps members from being retired.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+from typing import Any
+
+import dask
+from dask.utils import parse_timedelta
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from ._exceptions import PGASWorldError
+
+logger = logging.getLogger("dask_pgas.integration")
+
+PLUGIN_NAME = "dask-pgas"
+
+
+class _Run:
+    def __init__(self, name: str, seq: int) -> None:
+        self.name = name
+        self.seq = seq
+        self.failed: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def fail(self, message: str) -> None:
+        if not self.failed.done():
+            self.failed.set_result(message)
+
+
+class PGASSchedulerPlugin(SchedulerPlugin):
+    """Registered by :func:`dask_pgas.bootstrap`; one per scheduler (idempotent)."""
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def __init__(self) -> None:
+        self.world: tuple[str, ...] = ()
+        self.epoch = 0
+        self.backends: tuple[str, ...] = ()
+        self.broken: str | None = None
+        self._seq = 0
+        self._runs: dict[str, _Run] = {}
+        self._pinned: dict[Any, str] = {}  # key -> worker address
+        self._lock: asyncio.Lock | None = None
+
+    async def start(self, scheduler) -> None:
+        self.scheduler = scheduler
+        self._lock = asyncio.Lock()
+        scheduler.handlers.update(
+            {
+                "pgas_bootstrap": self.bootstrap,
+                "pgas_world": self.describe_world,
+                "pgas_barrier": self.barrier,
+                "pgas_teardown": self.teardown,
+            }
+        )
+
+    # ---------------------------------------------------------------- world
+    def _describe(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "workers": list(self.world),
+            "backends": list(self.backends),
+            "broken": self.broken,
+            "active_runs": sorted(self._runs),
+        }
+
+    async def describe_world(self, detail: bool = False) -> dict:
+        out = self._describe()
+        if detail and self.world:
+            alive = [w for w in self.world if w in self.scheduler.workers]
+            infos = await self._call(alive, "pgas_info", timeout=10)
+            out["info"] = infos
+        return out
+
+    async def _call(self, workers, op: str, timeout: float | None = None, **kwargs) -> dict[str, Any]:
+        async def one(addr):
+            return await self.scheduler.rpc(addr).__getattr__(op)(**kwargs)
+
+        results = await asyncio.wait_for(
+            asyncio.gather(*(one(w) for w in workers), return_exceptions=True), timeout
+        )
+        return dict(zip(workers, results))
+
+    async def bootstrap(self, backends: list | None = None, timeout: Any = None) -> dict:
+        timeout = parse_timedelta(timeout or dask.config.get("pgas.bootstrap-timeout", "120s"))
+        async with self._lock:
+            if self.world and not self.broken and all(w in self.scheduler.workers for w in self.world):
+                return {"status": "OK", **self._describe()}
+            if self._runs:
+                return {"status": "error", "message": f"rechunks still running: {sorted(self._runs)}"}
+            workers = list(self.scheduler.workers)
+            if not workers:
+                return {"status": "error", "message": "the cluster has no workers yet; wait_for_workers first"}
+            infos = await self._call(workers, "pgas_info", timeout=timeout)
+            bad = {w: i for w, i in infos.items() if isinstance(i, BaseException)}
+            if bad:
+                w, exc = next(iter(bad.items()))
+                return {"status": "error", "message": f"worker {w} did not answer ({exc!r}); is the plugin set up?"}
+            poisoned = [w for w, i in infos.items() if i["poisoned"]]
+            if poisoned:
+                return {
+                    "status": "error",
+                    "message": f"workers {poisoned} hold a collective that never returned (a peer died): their "
+                    "MPI state cannot be reused. Restart the cluster (close it and start a new one).",
+                }
+            ranks = {w: i["mpi_rank"] for w, i in infos.items()}
+            if backends is None:
+                backends = dask.config.get("pgas.backends", None)
+            if backends is None:
+                everywhere = set.intersection(*(set(i["available"]) for i in infos.values()))
+                backends = ["nvshmem"] if "nvshmem" in everywhere else ["mpi"]
+            backends = [backends] if isinstance(backends, str) else list(backends)
+            mpi_world = all(r is not None for r in ranks.values()) and len(set(ranks.values())) == len(ranks)
+            if mpi_world:
+                order = sorted(workers, key=lambda w: ranks[w])
+            elif backends == ["nvshmem"]:
+                order = sorted(workers, key=lambda w: (infos[w]["name"], w))
+            else:
+                return {
+                    "status": "error",
+                    "message": "the workers are not processes of one MPI job and the 'nvshmem' backend is not "
+                    "available on all of them: start the workers with dask_pgas.LocalMPICluster, dask-mpi "
+                    "(--worker-class distributed.Worker) or mpiexec, or use GPU workers with NVSHMEM",
+                }
+            # a previous intact world is torn down collectively first
+            if self.world and not self.broken:
+                await self._call(list(self.world), "pgas_teardown", timeout=timeout)
+            self.epoch += 1
+            self._seq = 0
+            epoch = self.epoch
+            try:
+                if mpi_world:
+                    res = await self._call(
+                        order, "pgas_init", timeout=timeout,
+                        epoch=epoch, ranks=[ranks[w] for w in order], backends=backends,
+                    )
+                else:
+                    uid = await self.scheduler.rpc(order[0]).pgas_uniqueid()
+                    coros = [
+                        self.scheduler.rpc(w).pgas_init(
+                            epoch=epoch, ranks=None, backends=backends, uid=uid, pe=pe, npes=len(order)
+                        )
+                        for pe, w in enumerate(order)
+                    ]
+                    out = await asyncio.wait_for(asyncio.gather(*coros, return_exceptions=True), timeout)
+                    res = dict(zip(order, out))
+            except asyncio.TimeoutError:
+                self.world, self.broken = tuple(order), f"bootstrap of world #{epoch} timed out after {timeout}s"
+                return {"status": "error", "message": self.broken}
+            errors = {w: r for w, r in res.items() if isinstance(r, BaseException) or r["status"] != "OK"}
+            if errors:
+                w, r = next(iter(errors.items()))
+                self.world, self.broken = tuple(order), f"bootstrap failed on {w}: {r if isinstance(r, BaseException) else r['message']}"
+                return {"status": "error", "message": self.broken}
+            for pe, w in enumerate(order):
+                if res[w]["pe"] != pe:
+                    self.broken = f"worker {w} became PE {res[w]['pe']}, expected {pe}"
+                    return {"status": "error", "message": self.broken}
+            self.world = tuple(order)
+            self.backends = tuple(backends)
+            self.broken = None
+            logger.info("dask_pgas: PGAS world #%d with %d PEs: %s", epoch, len(order), order)
+            return {"status": "OK", **self._describe()}
+
+    async def teardown(self) -> dict:
+        async with self._lock:
+            if self._runs:
+                return {"status": "error", "message": f"rechunks still running: {sorted(self._runs)}"}
+            if not self.world:
+                return {"status": "OK", "workers": {}}
+            members = [w for w in self.world if w in self.scheduler.workers]
+            if self.broken:
+                self.world = ()
+                return {"status": "error", "message": f"the world is broken ({self.broken}); restart the cluster"}
+            res = await self._call(members, "pgas_teardown", timeout=parse_timedelta("120s"))
+            self.world = ()
+            self.backends = ()
+            errors = {w: r for w, r in res.items() if isinstance(r, BaseException) or r["status"] != "OK"}
+            if errors:
+                return {"status": "error", "message": str(errors)}
+            return {"status": "OK", "workers": res}
+
+    # ---------------------------------------------------------------- runs
+    async def barrier(self, name: str, epoch: int) -> dict:
+        if self.broken:
+            return {"status": "error", "message": self.broken}
+        if epoch != self.epoch or not self.world:
+            return {"status": "error", "message": f"{name} was built for PGAS world #{epoch}; the cluster runs "
+                    f"#{self.epoch if self.world else 'none'}: build the rechunk again"}
+        missing = [w for w in self.world if w not in self.scheduler.workers]
+        if missing:
+            return {"status": "error", "message": f"PGAS world members {missing} are gone"}
+        seq = self._seq
+        self._seq += 1
+        run = _Run(name, seq)
+        self._runs[name] = run
+        timeout = parse_timedelta(dask.config.get("pgas.collective-timeout", "120s"))
+        tasks = {
+            asyncio.ensure_future(self.scheduler.rpc(w).pgas_start(name=name, seq=seq, epoch=epoch)): w
+            for w in self.world
+        }
+        remaining_tasks = set(tasks)
+        deadline = asyncio.get_running_loop().time() + timeout
+        message = None
+        fatal = True
+        infos = []
+        try:
+            while remaining_tasks:
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    late = sorted(tasks[t] for t in remaining_tasks)
+                    message = (f"{name}: the collective did not finish within pgas.collective-timeout="
+                               f"{timeout}s on {late}")
+                    break
+                done, _ = await asyncio.wait(remaining_tasks | {run.failed}, timeout=left,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if run.failed.done():
+                    message = f"{name}: {run.failed.result()}"
+                    break
+                for t in done:
+                    remaining_tasks.discard(t)
+                    try:
+                        r = t.result()
+                    except Exception as exc:
+                        message = f"{name}: worker {tasks[t]} failed during the collective: {exc!r}"
+                        break
+                    if r["status"] != "OK":
+                        message, fatal = r["message"], r.get("fatal", True)
+                        break
+                    infos.append(r)
+                if message:
+                    break
+        finally:
+            self._runs.pop(name, None)
+            for t in remaining_tasks:
+                t.cancel()
+        if message is None:
+            return {"status": "OK", "run": seq, "seconds": max(i["seconds"] for i in infos)}
+        if fatal:
+            self._break(f"pgas rechunk {message}")
+        return {"status": "error", "message": message if not fatal else self.broken}
+
+    def _break(self, message: str) -> None:
+        if self.broken:
+            return
+        self.broken = (
+            f"{message}. The PGAS world #{self.epoch} is broken (MPI collectives cannot be cancelled, workers "
+            "that were inside one stay blocked there); the input arrays stay computable with "
+            "method='tasks'/'p2p'. Restart the cluster and call dask_pgas.bootstrap(client) again."
+        )
+        logger.error("dask_pgas: %s", self.broken)
+        for run in self._runs.values():
+            run.fail(message)
+        msgs = {
+            w: [{"op": "pgas-fail", "message": self.broken, "epoch": self.epoch}]
+            for w in self.world
+            if w in self.scheduler.workers
+        }
+        self.scheduler.send_all({}, msgs)
+
+    # ---------------------------------------------------------------- scheduler hooks
+    def update_graph(self, scheduler, *, tasks=(), **kwargs) -> None:
+        from ._graph import PinnedTask
+
+        for key in tasks:
+            ts = scheduler.tasks.get(key)
+            if ts is None or not isinstance(ts.run_spec, PinnedTask):
+                continue
+            spec = ts.run_spec
+            if self.broken or spec.epoch != self.epoch or not self.world or spec.pe >= len(self.world):
+                continue  # the task itself raises a clear error wherever it runs
+            addr = self.world[spec.pe]
+            ts.worker_restrictions = {addr}
+            ts.loose_restrictions = False
+            self._pinned[key] = addr
+
+    def transition(self, key, start, finish, *args, **kwargs) -> None:
+        if finish == "forgotten":
+            self._pinned.pop(key, None)
+        if finish in ("released", "forgotten") and isinstance(key, str) and key.startswith("pgas-barrier-"):
+            name = "pgas-rechunk-" + key[len("pgas-barrier-"):]
+            msgs = {w: [{"op": "pgas-forget", "name": name}] for w in self.world if w in self.scheduler.workers}
+            if msgs:
+                self.scheduler.send_all({}, msgs)
+
+    def remove_worker(self, scheduler, worker: str, *, stimulus_id: str, **kwargs) -> None:
+        if worker not in self.world or self.broken:
+            return
+        self._break(f"worker {worker} (PE {self.world.index(worker)}) left the PGAS world")
+        exc = PGASWorldError(self.broken)
+        recs: dict = {}
+        for key, addr in list(self._pinned.items()):
+            ts = scheduler.tasks.get(key)
+            if ts is None or addr != worker:
+                continue
+            ts.worker_restrictions = None
+            ts.loose_restrictions = True
+            if ts.state == "no-worker":
+                try:
+                    recs.update(
+                        scheduler.transition(
+                            key, "erred", stimulus_id=stimulus_id, cause=key,
+                            exception=pickle.dumps(exc), traceback=None,
+                            exception_text=str(exc), traceback_text="",
+                        )
+                    )
+                except Exception as e:  # pragma: no cover - defensive
+                    logger.warning("dask_pgas: could not fail %s: %r", key, e)
+        if recs:
+            scheduler.transitions(recs, stimulus_id=stimulus_id)
+
+    def valid_workers_downscaling(self, scheduler, workers: list) -> list:
+        if self.broken:
+            return workers
+        members = set(self.world)
+        return [ws for ws in workers if ws.address not in members]

@@ -1,0 +1,61 @@
+"""One Dask worker per MPI rank: ``mpiexec -n N python -m dask_pgas.integration._worker_main --scheduler-file F``.
+
+The worker IS the MPI process (``distributed.Worker``, not a Nanny: a Nanny's child is not an MPI process).
+MPI is initialized (``MPI_THREAD_MULTIPLE``) before the worker starts; the PGAS runtime itself comes up later,
+in the explicit ``dask_pgas.bootstrap(client)`` step. A worker left inside a collective whose peer died exits
+without ``MPI_Finalize`` (which would wait for that peer forever).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--scheduler-file", required=True)
+    parser.add_argument("--nthreads", type=int, default=1)
+    parser.add_argument("--memory-limit", default="auto")
+    parser.add_argument("--local-directory", default=None)
+    args = parser.parse_args(argv)
+
+    from mpi4py import MPI  # initializes MPI in this (main) thread
+
+    from distributed import Worker
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(name)s %(levelname)s: %(message)s")
+    state = {"poisoned": False}
+
+    async def run() -> None:
+        async with Worker(
+            scheduler_file=args.scheduler_file,
+            nthreads=args.nthreads,
+            name=f"mpi-rank-{rank}",
+            memory_limit=args.memory_limit,
+            local_directory=args.local_directory,
+        ) as worker:
+            await worker.finished()
+            plugin = worker.plugins.get("dask-pgas")
+            state["poisoned"] = bool(plugin is not None and plugin.poisoned)
+
+    try:
+        asyncio.run(run())
+    except (KeyboardInterrupt, asyncio.CancelledError):  # pragma: no cover
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if state["poisoned"]:
+        os._exit(0)
+    from dask_pgas import runtime
+
+    if runtime.is_initialized():  # the world was not torn down: do not run collectives at exit
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,425 @@
+"""The worker side: one plugin per worker owns this process's PGAS runtime, buffers, plans and runs.
+
+Every collective (bring-up, reshape, teardown) runs on ONE dedicated daemon thread per worker, in the global
+order the scheduler hands out (``seq``), never on the event loop and never in a task slot. Tasks only stage
+references to their chunks (``stage``) or take their output slice (``take``); they never wait for peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import sys
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import dask
+from distributed import WorkerPlugin
+
+from ..errors import CollectiveError, RuntimeStateError
+from ._exceptions import PGASWorldError
+
+logger = logging.getLogger("dask_pgas.integration")
+
+PLUGIN_NAME = "dask-pgas"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What every PE needs to know about one rechunk run (small; carried by every transfer task)."""
+
+    input_boxes: tuple
+    output_boxes: tuple
+    dtype: str
+    package: str
+    delay: float = 0.0  # testing only: sleep this long inside the collective (to kill a worker there)
+
+    @property
+    def plan_key(self) -> tuple:
+        return (self.input_boxes, self.output_boxes, self.dtype)
+
+
+class _RunError(CollectiveError):
+    """A run failed on every rank together before any data moved (the world stays usable)."""
+
+    fatal = False
+
+
+class _CollectiveThread:
+    """One daemon thread executing submitted callables in order (a stuck MPI call must not block exit)."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.busy_since: float | None = None
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, *args, future: concurrent.futures.Future | None = None) -> concurrent.futures.Future:
+        fut = future or concurrent.futures.Future()
+        self._queue.put((fut, fn, args))
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            self.busy_since = time.monotonic()
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:
+                fut.set_exception(exc)
+            finally:
+                self.busy_since = None
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+
+def _mpi_identity() -> tuple[int | None, int | None]:
+    """(rank, size) in MPI_COMM_WORLD when this process is an MPI process, else (None, None)."""
+    mod = sys.modules.get("mpi4py.MPI")
+    if mod is None:
+        return None, None
+    try:
+        if not mod.Is_initialized() or mod.Is_finalized():
+            return None, None
+        return mod.COMM_WORLD.Get_rank(), mod.COMM_WORLD.Get_size()
+    except Exception:  # pragma: no cover - broken MPI
+        return None, None
+
+
+class PGASWorkerPlugin(WorkerPlugin):
+    """Owns the PGAS runtime of one worker. Registered by :func:`dask_pgas.bootstrap`."""
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def setup(self, worker) -> None:
+        self.worker = worker
+        self._thread = _CollectiveThread(f"pgas-collective-{worker.name}")
+        self.pe: int | None = None
+        self.epoch: int | None = None
+        self.npes = 0
+        self.broken: str | None = None
+        self.poisoned = False  # a collective never returned: this process cannot join a new world
+        self._staged: dict[str, tuple] = {}
+        self._results: dict[str, Any] = {}
+        self._pending: dict[int, tuple[str, concurrent.futures.Future]] = {}
+        self._next_seq = 0
+        self._buffers: dict[str, Any] = {}
+        self._plans: OrderedDict = OrderedDict()
+        self.runs = 0
+        self.collective_seconds = 0.0
+        worker.handlers.update(
+            {
+                "pgas_info": self._h_info,
+                "pgas_init": self._h_init,
+                "pgas_start": self._h_start,
+                "pgas_teardown": self._h_teardown,
+                "pgas_uniqueid": self._h_uniqueid,
+            }
+        )
+        worker.stream_handlers.update({"pgas-forget": self._h_forget, "pgas-fail": self._h_fail})
+
+    def teardown(self, worker) -> None:
+        # Not collective (workers close one at a time): memory goes with the process.
+        # dask_pgas.teardown(client) frees everything collectively beforehand.
+        self._thread.stop()
+
+    # ---------------------------------------------------------------- state seen by tasks
+    def check(self, pe: int, epoch: int) -> None:
+        if self.broken:
+            raise PGASWorldError(self.broken)
+        if self.epoch is None:
+            raise PGASWorldError(
+                f"worker {self.worker.address} is not part of a PGAS world; call dask_pgas.bootstrap(client)"
+            )
+        if epoch != self.epoch:
+            raise PGASWorldError(
+                f"this rechunk was planned for PGAS world #{epoch} but the cluster now runs world #{self.epoch} "
+                "(dask_pgas.bootstrap ran again): build the rechunk again"
+            )
+        if pe != self.pe:
+            raise PGASWorldError(
+                f"a task pinned to PE {pe} ran on {self.worker.address} (PE {self.pe}); the scheduler plugin "
+                "is missing: call dask_pgas.bootstrap(client) before computing"
+            )
+
+    def stage(self, name: str, pe: int, epoch: int, spec: RunSpec, pieces: tuple, arrays: tuple) -> None:
+        self.check(pe, epoch)
+        self._staged[name] = (spec, pieces, arrays)
+
+    def take(self, name: str, pe: int, epoch: int, box_slices: tuple, whole: bool) -> Any:
+        self.check(pe, epoch)
+        try:
+            result = self._results[name]
+        except KeyError:
+            raise PGASWorldError(
+                f"the output of {name} is not on {self.worker.address}; it was released or the world was "
+                "re-bootstrapped: compute the rechunk again"
+            ) from None
+        return result if whole else result[box_slices].copy()
+
+    # ---------------------------------------------------------------- handlers (event loop)
+    def heap_bytes(self) -> int:
+        return sum(int(b.nbytes) for b in self._buffers.values())
+
+    async def _h_info(self) -> dict:
+        from .. import runtime
+
+        rank, size = _mpi_identity()
+        try:
+            available = runtime.available_backends()
+        except Exception as exc:  # pragma: no cover
+            available = []
+            logger.warning("dask_pgas: could not list backends: %s", exc)
+        try:
+            from ..memory import heap_usage
+
+            heap = heap_usage()
+        except Exception:  # pragma: no cover
+            heap = {}
+        return {
+            "address": self.worker.address,
+            "name": str(self.worker.name),
+            "mpi_rank": rank,
+            "mpi_size": size,
+            "available": available,
+            "initialized": runtime.is_initialized(),
+            "backends": list(runtime.initialized_backends()),
+            "pe": self.pe,
+            "epoch": self.epoch,
+            "poisoned": self.poisoned,
+            "broken": self.broken,
+            "buffer_bytes": self.heap_bytes(),
+            "heap": heap,
+            "plans": len(self._plans),
+            "runs": self.runs,
+            "collective_seconds": self.collective_seconds,
+            "busy_for": None if self._thread.busy_since is None else time.monotonic() - self._thread.busy_since,
+        }
+
+    async def _h_init(self, epoch: int, ranks: list | None, backends: list | None, uid: bytes | None = None,
+                      pe: int | None = None, npes: int | None = None) -> dict:
+        fut = self._thread.submit(self._init, epoch, ranks, backends, uid, pe, npes)
+        try:
+            await asyncio.wrap_future(fut)
+        except Exception as exc:
+            return {"status": "error", "message": f"{type(exc).__name__}: {exc}"}
+        return {"status": "OK", "pe": self.pe, "npes": self.npes}
+
+    async def _h_start(self, name: str, seq: int, epoch: int) -> dict:
+        if epoch != self.epoch:
+            return {"status": "error", "fatal": True,
+                    "message": f"{self.worker.address} is in world #{self.epoch}, not #{epoch}"}
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._pending[seq] = (name, fut)
+        while self._next_seq in self._pending:  # submit in the global order, whatever the arrival order
+            nm, f = self._pending.pop(self._next_seq)
+            self._thread.submit(self._run, nm, future=f)
+            self._next_seq += 1
+        try:
+            info = await asyncio.wrap_future(fut)
+        except Exception as exc:
+            return {"status": "error", "fatal": getattr(exc, "fatal", True),
+                    "message": f"PE {self.pe} ({self.worker.address}): {type(exc).__name__}: {exc}"}
+        return {"status": "OK", **info}
+
+    async def _h_teardown(self) -> dict:
+        fut = self._thread.submit(self._teardown)
+        try:
+            await asyncio.wrap_future(fut)
+        except Exception as exc:
+            return {"status": "error", "message": f"{type(exc).__name__}: {exc}"}
+        return {"status": "OK", "buffer_bytes": self.heap_bytes(), **(await self._h_info())}
+
+    async def _h_uniqueid(self) -> bytes:
+        import dask_pgas
+
+        make = getattr(dask_pgas, "get_nvshmem_uniqueid", None)
+        if make is None:
+            raise RuntimeStateError("this dask_pgas has no NVSHMEM unique-id bootstrap (GPU engine missing)")
+        return await asyncio.wrap_future(self._thread.submit(make))
+
+    def _h_forget(self, name: str) -> None:
+        self._staged.pop(name, None)
+        self._results.pop(name, None)
+
+    def _h_fail(self, message: str, epoch: int) -> None:
+        if epoch == self.epoch:
+            self.broken = message
+            if self._thread.busy_since is not None or self._pending:
+                self.poisoned = True  # stuck in (or queued behind) a collective with a dead peer
+            self._staged.clear()
+            self._results.clear()
+
+    # ---------------------------------------------------------------- collective thread
+    def _init(self, epoch, ranks, backends, uid, pe, npes) -> None:
+        import dask_pgas
+        from .. import runtime
+
+        if self.poisoned:
+            raise PGASWorldError(
+                f"worker {self.worker.address} has a collective that never returned (a peer died); its MPI "
+                "state cannot be reused: restart the workers (close the cluster and start a new one)"
+            )
+        if runtime.is_initialized():
+            self._teardown()
+        if uid is None:
+            from mpi4py import MPI
+
+            world = MPI.COMM_WORLD
+            group = world.Get_group()
+            sub = group.Incl(list(ranks))
+            comm = world.Create_group(sub, tag=epoch % 32768)  # collective over the members only
+            group.Free()
+            sub.Free()
+            try:
+                dask_pgas.initialize(communicator=comm, backends=backends)
+                self.pe, self.npes = comm.Get_rank(), comm.Get_size()
+            finally:
+                comm.Free()
+        else:
+            init = getattr(dask_pgas, "initialize_from_uniqueid", None)
+            if init is None:
+                raise RuntimeStateError("this dask_pgas has no NVSHMEM unique-id bootstrap (GPU engine missing)")
+            init(uid, pe, npes)
+            self.pe, self.npes = pe, npes
+        self.epoch = epoch
+        self.broken = None
+        self._next_seq = 0
+        self._pending.clear()
+
+    def _teardown(self) -> None:
+        from .. import runtime
+        from ..memory import free_symmetric_memory
+
+        if not runtime.is_initialized():
+            return
+        if self.broken or self.poisoned:
+            raise PGASWorldError(f"the PGAS world is broken ({self.broken}); it cannot be torn down collectively")
+        for plan in self._plans.values():
+            plan.free()
+        self._plans.clear()
+        for kind in sorted(self._buffers):
+            free_symmetric_memory(self._buffers.pop(kind))
+        self._staged.clear()
+        self._results.clear()
+        runtime.finalize()
+        self.epoch = None
+        self.pe = None
+
+    def _buffer(self, kind: str, nbytes: int, package: str) -> Any:
+        """Symmetric byte buffer of at least ``nbytes`` (collective when it grows: same decision everywhere)."""
+        from ..memory import allocate_symmetric_memory, free_symmetric_memory
+
+        current = self._buffers.get(kind)
+        if current is not None and current.nbytes >= nbytes:
+            return current
+        growth = float(dask.config.get("pgas.buffer-growth", 1.25))
+        size = max(nbytes, int((current.nbytes if current is not None else 0) * growth), 1)
+        if current is not None:
+            del self._buffers[kind]
+            free_symmetric_memory(current)
+        self._buffers[kind] = buf = allocate_symmetric_memory((size,), package, dtype="uint8")
+        return buf
+
+    def _plan(self, engine, spec: RunSpec):
+        from ..engines.base import ReshapeSpec
+
+        key = (engine.name, *spec.plan_key)
+        plan = self._plans.get(key)
+        if plan is not None:
+            self._plans.move_to_end(key)
+            return plan
+        plan = engine.plan_reshape(
+            ReshapeSpec(spec.input_boxes, spec.output_boxes, spec.dtype, "C", self.pe)
+        )
+        self._plans[key] = plan
+        limit = int(dask.config.get("pgas.plan-cache-size", 16))
+        while len(self._plans) > limit:  # same sequence of runs everywhere -> same evictions
+            _, old = self._plans.popitem(last=False)
+            old.free()
+        return plan
+
+    def _run(self, name: str) -> dict:
+        import numpy as np
+
+        from .. import runtime
+
+        staged = self._staged.pop(name, None)
+        engines = runtime._require()
+        control = next(iter(engines.values())).control
+        local_error = None
+        if self.broken:
+            local_error = self.broken
+        elif staged is None:
+            local_error = f"no input staged for {name} on PE {self.pe}"
+        key = None if staged is None else staged[0]
+        everyone = control.allgather((local_error, key))  # every rank decides the same
+        errors = [(r, e) for r, (e, _) in enumerate(everyone) if e]
+        if errors:
+            raise _RunError("; ".join(f"PE {r}: {e}" for r, e in errors))
+        if len({k for _, k in everyone}) != 1:
+            raise _RunError(f"PEs disagree on the plan of {name}")
+        spec, pieces, arrays = staged
+        t0 = time.perf_counter()
+        if spec.delay:
+            time.sleep(spec.delay)
+        engine = runtime.engine_for_package(spec.package)
+        dtype = np.dtype(spec.dtype)
+        in_box = spec.input_boxes[self.pe]
+        out_box = spec.output_boxes[self.pe]
+        max_in = max(b.size for b in spec.input_boxes) * dtype.itemsize
+        max_out = max(b.size for b in spec.output_boxes) * dtype.itemsize
+        symmetric = engine.requires_symmetric_operands
+        sym_pkg = engine.packages[0]
+        in_buf = self._buffer("in", max_in, sym_pkg)  # grown collectively, same sizes everywhere
+        out_buf = self._buffer("out", max_out, sym_pkg) if symmetric else None
+
+        # -- pack: the owner's chunk pieces -> its input box (zero copy when one C-contiguous chunk is the box)
+        src = None
+        if not symmetric and len(pieces) == 1:
+            chunk_slices, box_slices = pieces[0]
+            view = arrays[0][chunk_slices]
+            if view.shape == in_box.shape and view.dtype == dtype and view.flags.c_contiguous:
+                src = view
+        if src is None:
+            src = in_buf[: in_box.size * dtype.itemsize].view(dtype).reshape(in_box.shape)
+            for (chunk_slices, box_slices), arr in zip(pieces, arrays):
+                src[box_slices] = arr[chunk_slices]
+        # -- the one collective
+        if symmetric:
+            dst = out_buf[: out_box.size * dtype.itemsize].view(dtype).reshape(out_box.shape)
+        else:
+            dst = engine.empty(out_box.shape, dtype, spec.package)
+        plan = self._plan(engine, spec)
+        plan.execute(src, dst)
+        # -- results live in ordinary (non-symmetric) arrays, so the buffers are free for the next run
+        self._results[name] = dst.copy() if symmetric else dst
+        self.runs += 1
+        dt = time.perf_counter() - t0
+        self.collective_seconds += dt
+        return {"pe": self.pe, "seconds": dt}
+
+
+def get_plugin(worker=None) -> PGASWorkerPlugin:
+    """The PGAS plugin of this worker, or an error that says how to get one."""
+    from distributed import get_worker
+
+    worker = worker or get_worker()
+    plugin = worker.plugins.get(PLUGIN_NAME)
+    if plugin is None:
+        raise PGASWorldError(
+            f"worker {worker.address} has no dask_pgas plugin: call dask_pgas.bootstrap(client) first"
+        )
+    return plugin
