@@ -36,7 +36,7 @@ class Box:
             raise ValueError(f"Box lower {lo} and upper {up} have different lengths")
         if len(lo) == 0:
             raise ValueError("Box needs at least one dimension")
-        if any(u < l for l, u in zip(lo, up)):
+        if any(up_ < lo_ for lo_, up_ in zip(lo, up)):
             raise ValueError(f"Box upper {up} is below lower {lo} in some dimension; upper is exclusive")
         self._lower = lo
         self._upper = up
@@ -66,7 +66,7 @@ class Box:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(u - l for l, u in zip(self._lower, self._upper))
+        return tuple(up_ - lo_ for lo_, up_ in zip(self._lower, self._upper))
 
     @property
     def size(self) -> int:
@@ -83,13 +83,13 @@ class Box:
             raise ValueError(f"cannot intersect a {self.ndim}-D box with a {other.ndim}-D box")
         lo = tuple(max(a, b) for a, b in zip(self._lower, other._lower))
         up = tuple(min(a, b) for a, b in zip(self._upper, other._upper))
-        if any(u <= l for l, u in zip(lo, up)):
+        if any(up_ <= lo_ for lo_, up_ in zip(lo, up)):
             return None
         return Box(lo, up)
 
     def relative_to(self, origin: Box) -> tuple[slice, ...]:
         """Slices that select this box inside an array holding ``origin``."""
-        return tuple(slice(l - o, u - o) for l, u, o in zip(self._lower, self._upper, origin._lower))
+        return tuple(slice(lo_ - o, up_ - o) for lo_, up_, o in zip(self._lower, self._upper, origin._lower))
 
     def __iter__(self):
         # lets ``lower, upper = box`` work, as with nvmath's list form

@@ -8,6 +8,7 @@ stays allocated until :func:`dask_pgas.finalize`: freeing is collective and neve
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -188,8 +189,13 @@ def free_symmetric_memory(*arrays: Any) -> None:
             )
         for rec, array in zip(records, arrays):
             _forget(rec)
-            _freed[id(array)] = weakref.ref(array, lambda _, key=id(array): _freed.pop(key, None))
+            key = id(array)
+            _freed[key] = weakref.ref(array, functools.partial(_drop_freed, key))
             rec.engine.free(rec.allocation)
+
+
+def _drop_freed(key: int, _ref: weakref.ref) -> None:
+    _freed.pop(key, None)
 
 
 def _forget(rec: _Record) -> None:

@@ -65,11 +65,11 @@ def test_tiling_error_matches_a_dense_count(data):
         boxes.append(Box(lo, [a + b for a, b in zip(lo, ext)]))
     grid = np.zeros((8,) * ndim, dtype=int)
     for b in boxes:
-        grid[tuple(slice(l, u) for l, u in zip(b.lower, b.upper))] += 1
+        grid[tuple(slice(lo_, up_) for lo_, up_ in zip(b.lower, b.upper))] += 1
     bbox = bounding_box(boxes)
     if bbox is None:
         assert tiling_error(boxes) is None
         return
-    inside = grid[tuple(slice(l, u) for l, u in zip(bbox.lower, bbox.upper))]
+    inside = grid[tuple(slice(lo_, up_) for lo_, up_ in zip(bbox.lower, bbox.upper))]
     exact = bool((inside == 1).all())
     assert (tiling_error(boxes) is None) == exact

@@ -11,7 +11,7 @@ import json
 import sys
 
 import numpy as np
-from _common import COMM, RANK, SIZE, initialize, options, report_ok, to_numpy
+from _common import COMM, RANK, SIZE, initialize, options, report_ok
 
 import dask_pgas
 from dask_pgas.distribution import Box
@@ -53,7 +53,7 @@ def case(name, fn):
     try:
         fn()
         outcome = {"case": name, "rank": RANK, "raised": "none", "message": ""}
-    except Exception as exc:  # noqa: BLE001 - recorded and compared across ranks
+    except Exception as exc:
         outcome = {"case": name, "rank": RANK, "raised": type(exc).__name__, "message": str(exc)}
     outcomes = COMM.gather(outcome)
     if RANK == 0:  # one writer: lines of several ranks never interleave

@@ -24,7 +24,7 @@ def case(name, fn, expect=None):
     try:
         fn()
         outcome = {"case": name, "rank": RANK, "raised": "none", "message": ""}
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         outcome = {"case": name, "rank": RANK, "raised": type(exc).__name__, "message": str(exc)}
     outcome["expect"] = expect or "none"
     outcomes = COMM.gather(outcome)
