@@ -53,3 +53,16 @@ def check(result, nranks: int) -> None:
 
 def json_lines(result, tag: str) -> list:
     return [json.loads(line[len(tag) + 1 :]) for line in result.stdout.splitlines() if line.startswith(tag + " ")]
+
+
+def agreed_outcomes(result, nranks: int) -> dict[str, dict]:
+    """``CASE`` lines grouped by case; asserts every rank reported each case, all with the same exception class
+    and message. Returns one outcome per case."""
+    by_case: dict[str, list[dict]] = {}
+    for outcome in json_lines(result, "CASE"):
+        by_case.setdefault(outcome["case"], []).append(outcome)
+    for name, outcomes in by_case.items():
+        assert sorted(o["rank"] for o in outcomes) == list(range(nranks)), f"{name}: not reported by every rank"
+        raised = {(o["raised"], o["message"]) for o in outcomes}
+        assert len(raised) == 1, f"{name}: ranks disagree: {raised}"
+    return {name: outcomes[0] for name, outcomes in by_case.items()}
