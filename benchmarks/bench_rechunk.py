@@ -1,0 +1,192 @@
+"""Rechunk benchmark: ``method="pgas"`` beside Dask ``tasks`` and ``p2p`` on one cluster, and a bare
+``MPI.Alltoallw`` of the same bytes, all in the same run (scenarios of docs' performance anchors).
+
+    python benchmarks/bench_rechunk.py                       # S1 (8192^2 float64), S3, S4 with 4 CPU workers
+    python benchmarks/bench_rechunk.py --scenarios S1 --n 4096 --repeats 3
+
+Times are end to end: ``y = x.rechunk(chunks, method=m).persist(); wait(y)`` including graph construction,
+on a persisted input, median of ``--repeats`` after one warm-up. GB/s = array bytes / time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+# ------------------------------------------------------------------------------------------- bare Alltoallw
+def alltoallw_main(n: int, repeats: int) -> None:
+    """Run under mpiexec: column slab -> row slab of an n x n float64 with one Alltoallw (subarray types)."""
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    p, r = comm.size, comm.rank
+    bounds = [n * i // p for i in range(p + 1)]
+    width = bounds[r + 1] - bounds[r]
+    src = np.random.default_rng(r).random((n, width))
+    dst = np.empty((width, n))
+    stypes, rtypes = [], []
+    for j in range(p):
+        hj = bounds[j + 1] - bounds[j]
+        stypes.append(MPI.DOUBLE.Create_subarray([n, width], [hj, width], [bounds[j], 0]).Commit())
+        rtypes.append(MPI.DOUBLE.Create_subarray([width, n], [width, hj], [0, bounds[j]]).Commit())
+    ones, zeros = [1] * p, [0] * p
+    times = []
+    for i in range(repeats + 1):
+        comm.Barrier()
+        t0 = MPI.Wtime()
+        comm.Alltoallw([src, (ones, zeros), stypes], [dst, (ones, zeros), rtypes])
+        comm.Barrier()
+        if i:
+            times.append(MPI.Wtime() - t0)
+    for t in stypes + rtypes:
+        t.Free()
+    if r == 0:
+        print(json.dumps({"seconds": statistics.median(times)}))
+
+
+def bare_alltoallw(n: int, workers: int, repeats: int) -> float:
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    out = subprocess.run(
+        [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(workers), sys.executable, __file__,
+         "--alltoallw", str(n), "--repeats", str(repeats)],
+        capture_output=True, text=True, timeout=600, check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
+
+
+# ------------------------------------------------------------------------------------------- Dask methods
+def time_method(client, x, chunks, method: str, repeats: int) -> tuple[float, object]:
+    from dask.core import flatten
+    from distributed import wait
+
+    import dask_pgas
+
+    def once():
+        t0 = time.perf_counter()
+        y = dask_pgas.rechunk(x, chunks) if method == "pgas" else x.rechunk(chunks, method=method)
+        y = y.persist()
+        wait(y)
+        return time.perf_counter() - t0, y
+
+    times, y = [], None
+    for i in range(repeats + 1):
+        if y is not None:
+            keys = list(flatten(y.__dask_keys__()))
+            y = None
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and any(client.who_has(keys).values()):
+                time.sleep(0.01)
+        t, y = once()
+        if i:
+            times.append(t)
+    return statistics.median(times), y
+
+
+def scenario(client, name: str, shape, chunks_in, chunks_out, methods, repeats, check=True) -> dict:
+    import dask.array as da
+    import numpy as np
+    from distributed import wait
+
+    x = da.random.random(shape, chunks=chunks_in).persist()
+    wait(x)
+    nbytes = int(np.prod(shape)) * 8
+    row = {"scenario": name, "shape": list(shape), "bytes": nbytes,
+           "chunks_in": [len(c) for c in x.chunks], "chunks_out": None}
+    for method in methods:
+        try:
+            fwd, y = time_method(client, x, chunks_out, method, repeats)
+            row["chunks_out"] = [len(c) for c in y.chunks]
+            back, z = time_method(client, y, chunks_in, method, repeats)
+            if check:
+                ok = bool(da.all(z == x).compute())
+                row[f"{method}_ok"] = ok
+            row[f"{method}_fwd_GBps"] = nbytes / fwd / 1e9
+            row[f"{method}_back_GBps"] = nbytes / back / 1e9
+            row[f"{method}_fwd_s"] = fwd
+            row[f"{method}_back_s"] = back
+            del y, z
+        except Exception as exc:  # report and go on with the other methods
+            row[f"{method}_error"] = f"{type(exc).__name__}: {exc}"
+    del x
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--alltoallw", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--n", type=int, default=8192, help="S1 size (N x N float64)")
+    ap.add_argument("--s3-n", type=int, default=10007)
+    ap.add_argument("--s4-n", type=int, default=16384)
+    ap.add_argument("--scenarios", default="S1,S1-1MiB,S1-16MiB,S3,S4")
+    ap.add_argument("--methods", default="pgas,tasks,p2p")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", default=None, help="also write the rows to this file")
+    args = ap.parse_args()
+    if args.alltoallw is not None:
+        alltoallw_main(args.alltoallw, args.repeats)
+        return
+
+    from distributed import Client
+
+    import dask_pgas
+
+    p = args.workers
+    methods = args.methods.split(",")
+    wanted = args.scenarios.split(",")
+    rows = []
+    with dask_pgas.LocalMPICluster(n_workers=p, backends=["mpi"]) as cluster, Client(cluster) as client:
+        print(f"# {p} CPU workers, {os.cpu_count()} cores; {cluster.world}", flush=True)
+        for name in wanted:
+            if name.startswith("S1"):
+                if name == "S1":
+                    n = args.n
+                else:  # bytes per worker
+                    per = {"S1-1MiB": 2**20, "S1-16MiB": 2**24}[name]
+                    n = int((per * p / 8) ** 0.5) // p * p
+                b = n // p
+                row = scenario(client, name, (n, n), (n, b), (b, n), methods, args.repeats)
+                if "pgas" in methods:
+                    t = bare_alltoallw(n, p, args.repeats)
+                    row["alltoallw_GBps"] = n * n * 8 / t / 1e9
+            elif name == "S3":
+                n = args.s3_n  # prime; chunk sizes that do not divide it
+                row = scenario(client, name, (n, n), (n, 2503), (1667, n), methods, args.repeats)
+            elif name == "S4":
+                n = args.s4_n
+                row = scenario(client, name, (n, n), (128, 128), (-(-n // p), n), methods,
+                               max(1, min(args.repeats, 3)), check=n <= 8192)
+            else:
+                raise SystemExit(f"unknown scenario {name}")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print()
+    print(f"| scenario | shape | pgas fwd / back GB/s | tasks fwd / back | p2p fwd / back | pgas / best peer | "
+          f"Alltoallw GB/s | pgas / Alltoallw |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        def fb(m):
+            if f"{m}_fwd_GBps" not in r:
+                return r.get(f"{m}_error", "-")[:40]
+            return f"{r[f'{m}_fwd_GBps']:.2f} / {r[f'{m}_back_GBps']:.2f}"
+        peers = [r[f"{m}_{d}_GBps"] for m in ("tasks", "p2p") for d in ("fwd",) if f"{m}_fwd_GBps" in r]
+        ratio = f"{r['pgas_fwd_GBps'] / max(peers):.1f}x" if peers and "pgas_fwd_GBps" in r else "-"
+        a2a = r.get("alltoallw_GBps")
+        pct = f"{100 * r['pgas_fwd_GBps'] / a2a:.0f}%" if a2a and "pgas_fwd_GBps" in r else "-"
+        print(f"| {r['scenario']} | {'x'.join(map(str, r['shape']))} | {fb('pgas')} | {fb('tasks')} | {fb('p2p')} | "
+              f"{ratio} | {f'{a2a:.2f}' if a2a else '-'} | "
+              f"{pct} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""``dask-pgas``: command line of dask_pgas.
+
+``dask-pgas demo`` starts a local MPI-backed Dask cluster (CPU workers, or one worker per GPU when GPUs are
+present), rechunks an array of about 1 GiB from column slabs to row slabs and back with ``method="pgas"``,
+checks the result and prints the GB/s beside Dask's ``tasks`` and ``p2p`` on the same cluster and array.
+``dask-pgas world --scheduler-file F`` bootstraps (if needed) and shows the PGAS world of a running cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+
+def _gpu_count() -> int:
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+def _wait_forgotten(client, keys: list) -> None:
+    """Wait until the scheduler dropped ``keys`` (after the last reference went), so a rerun recomputes."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(client.who_has(keys).values()):
+        time.sleep(0.01)
+
+
+def _timed(client, fn, repeats: int) -> tuple[float, object]:
+    """Median seconds of ``fn().persist()`` end to end (graph construction included), and the last result."""
+    from distributed import wait
+
+    from dask.core import flatten
+
+    times, result = [], None
+    for _ in range(repeats):
+        if result is not None:
+            keys = list(flatten(result.__dask_keys__()))
+            result = None
+            _wait_forgotten(client, keys)
+        t0 = time.perf_counter()
+        result = fn().persist()
+        wait(result)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), result
+
+
+def demo(args: argparse.Namespace) -> int:
+    import dask
+    import dask.array as da
+    import numpy as np
+    from dask.utils import format_bytes, parse_bytes
+    from distributed import Client, wait
+
+    import dask_pgas
+
+    gpus = 0 if args.cpu else _gpu_count()
+    workers = args.workers or (gpus or 4)
+    nbytes = parse_bytes(args.size)
+    n = int((nbytes / 8) ** 0.5) // workers * workers
+    if n < workers:
+        n = workers
+    cols, rows = (n, n // workers), (n // workers, n)
+    kind = f"{workers} GPU workers" if gpus else f"{workers} CPU workers (MPI ranks)"
+    print(f"dask-pgas demo: {n} x {n} float64 ({format_bytes(n * n * 8)}), {kind}")
+    print(f"  column slabs {cols} -> row slabs {rows} -> column slabs, median of {args.repeats}")
+    t0 = time.perf_counter()
+    with dask_pgas.LocalMPICluster(n_workers=workers, backends=["nvshmem"] if gpus else ["mpi"]) as cluster, \
+            Client(cluster) as client:
+        print(f"  cluster up in {time.perf_counter() - t0:.1f}s: {cluster.world}")
+        dask_pgas.install()
+        x = da.random.random((n, n), chunks=cols)
+        if gpus:
+            import cupy
+
+            x = x.map_blocks(cupy.asarray)
+        x = x.persist()
+        wait(x)
+        results = {}
+        for method in ("pgas", "tasks", "p2p") if not args.pgas_only else ("pgas",):
+            try:
+                with dask.config.set({"array.rechunk.method": method}):
+                    fwd, y = _timed(client, lambda: x.rechunk(rows, method=method), args.repeats)
+                    back, z = _timed(client, lambda y=y: y.rechunk(cols, method=method), args.repeats)
+                ok = bool(da.all(z == x).compute()) and bool(da.all(y == x.rechunk(rows, method="tasks")).compute())
+                results[method] = (fwd, back, ok)
+                del y, z
+            except Exception as exc:  # a peer method not available on this cluster
+                results[method] = exc
+        gb = n * n * 8 / 1e9
+        print(f"  {'method':<7} {'cols->rows':>12} {'rows->cols':>12}  check")
+        for method, r in results.items():
+            if isinstance(r, Exception):
+                print(f"  {method:<7} {'n/a':>12} {'n/a':>12}  {type(r).__name__}: {r}")
+                continue
+            fwd, back, ok = r
+            print(f"  {method:<7} {gb / fwd:>8.2f} GB/s {gb / back:>8.2f} GB/s  {'OK' if ok else 'WRONG'}")
+        good = [r for r in results.values() if not isinstance(r, Exception)]
+        if "pgas" in results and not isinstance(results["pgas"], Exception):
+            best_peer = [gb / min(r[0], r[1]) for m, r in results.items() if m != "pgas" and m in results
+                         and not isinstance(r, Exception)]
+            p = results["pgas"]
+            if best_peer:
+                print(f"  pgas vs faster of tasks/p2p: {(gb / min(p[0], p[1])) / max(best_peer):.1f}x")
+        del x
+        dask_pgas.uninstall()
+    return 0 if good and all(r[2] for r in good) and "pgas" in results and \
+        not isinstance(results["pgas"], Exception) else 1
+
+
+def show_world(args: argparse.Namespace) -> int:
+    from distributed import Client
+
+    import dask_pgas
+
+    with Client(scheduler_file=args.scheduler_file) as client:
+        dask_pgas.bootstrap(client)
+        print(dask_pgas.world(client, detail=True))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dask-pgas", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("demo", help="rechunk ~1 GiB column slabs -> row slabs and back; compare with tasks/p2p")
+    p.add_argument("--size", default="1GiB", help="array size (default 1GiB; e.g. 64MiB for CI)")
+    p.add_argument("--workers", type=int, default=None, help="workers (default: one per GPU, else 4)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cpu", action="store_true", help="CPU workers even when GPUs are present")
+    p.add_argument("--pgas-only", action="store_true", help="skip the tasks/p2p comparison")
+    p.set_defaults(func=demo)
+    w = sub.add_parser("world", help="bootstrap and show the PGAS world of a running cluster")
+    w.add_argument("--scheduler-file", required=True)
+    w.set_defaults(func=show_world)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
