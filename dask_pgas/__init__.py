@@ -37,3 +37,15 @@ __all__ = [
     "is_initialized",
     "reshape",
 ]
+
+# The Dask integration, loaded on first use (importing dask_pgas stays free of distributed and never patches
+# Dask): dask_pgas.bootstrap / world / teardown / rechunk / install / uninstall / LocalMPICluster.
+_INTEGRATION = ("LocalMPICluster", "World", "bootstrap", "install", "rechunk", "teardown", "uninstall", "world")
+
+
+def __getattr__(name: str):
+    if name in _INTEGRATION:
+        from . import integration
+
+        return getattr(integration, name)
+    raise AttributeError(f"module 'dask_pgas' has no attribute {name!r}")
