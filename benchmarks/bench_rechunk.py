@@ -81,7 +81,7 @@ def time_method(client, x, chunks, method: str, repeats: int) -> tuple[float, ob
             keys = list(flatten(y.__dask_keys__()))
             y = None
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and any(client.who_has(keys).values()):
+            while time.monotonic() < deadline and any(client.sync(client.scheduler.who_has, keys=keys).values()):
                 time.sleep(0.01)
         t, y = once()
         if i:

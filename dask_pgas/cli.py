@@ -26,7 +26,7 @@ def _gpu_count() -> int:
 def _wait_forgotten(client, keys: list) -> None:
     """Wait until the scheduler dropped ``keys`` (after the last reference went), so a rerun recomputes."""
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(client.who_has(keys).values()):
+    while time.monotonic() < deadline and any(client.sync(client.scheduler.who_has, keys=keys).values()):
         time.sleep(0.01)
 
 

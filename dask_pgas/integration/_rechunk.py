@@ -105,7 +105,7 @@ def _input_locations(client, x, world: dict) -> dict:
     pe_of = {addr: pe for pe, addr in enumerate(world["workers"])}
     keys = [k for k in dask.core.flatten(x.__dask_keys__())]
     try:
-        who_has = client.who_has(keys)
+        who_has = client.sync(client.scheduler.who_has, keys=keys)
     except Exception:  # pragma: no cover - older/newer client API
         return {}
     out = {}

@@ -67,6 +67,29 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                 "pgas_teardown": self.teardown,
             }
         )
+        # Explicit client.retire_workers(workers=[...]) skips valid_workers_downscaling: guard it too.
+        original = scheduler.handlers.get("retire_workers")
+        if original is not None and not getattr(original, "__pgas_guard__", False):
+
+            async def retire_workers(workers=None, *, names=None, **kwargs):
+                if self.world and not self.broken:
+                    members = set(self.world)
+                    by_name = {str(ws.name): a for a, ws in scheduler.workers.items()}
+                    asked = list(workers or []) + [by_name.get(str(n), "") for n in (names or [])]
+                    refused = sorted(a for a in asked if a in members)
+                    if refused:
+                        logger.warning("dask_pgas: not retiring PGAS world members %s (call "
+                                       "dask_pgas.teardown(client) first)", refused)
+                        if workers is not None:
+                            workers = [w for w in workers if w not in members]
+                        if names is not None:
+                            names = [n for n in names if by_name.get(str(n)) not in members]
+                        if not workers and not names:
+                            return {}
+                return await original(workers=workers, names=names, **kwargs)
+
+            retire_workers.__pgas_guard__ = True
+            scheduler.handlers["retire_workers"] = retire_workers
 
     # ---------------------------------------------------------------- world
     def _describe(self) -> dict:

@@ -1,0 +1,120 @@
+"""Pure planning: chunk grids -> one input and one output Box per PE (no cluster)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dask_pgas.geometry.chunks import bisect_boxes, plan_chunks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@st.composite
+def grids(draw, max_ndim=3, max_len=40):
+    ndim = draw(st.integers(1, max_ndim))
+    shape = [draw(st.integers(1, max_len)) for _ in range(ndim)]
+
+    def chunks_for(n):
+        sizes = []
+        left = n
+        while left:
+            c = draw(st.integers(1, left))
+            sizes.append(c)
+            left -= c
+        return tuple(sizes)
+
+    a = tuple(chunks_for(n) for n in shape)
+    b = tuple(chunks_for(n) for n in shape)
+    return a, b
+
+
+def _cover(boxes, shape):
+    hits = np.zeros(shape, dtype=int)
+    for b in boxes:
+        hits[tuple(slice(lo, up) for lo, up in zip(b.lower, b.upper))] += 1
+    return hits
+
+
+@settings(max_examples=150, deadline=None)
+@given(grids(), st.integers(1, 7), st.data())
+def test_plan_tiles_and_aligns(grid, npes, data):
+    chunks_in, chunks_out = grid
+    shape = tuple(sum(c) for c in chunks_in)
+    locs = None
+    if data.draw(st.booleans()):
+        idx = list(itertools.product(*(range(len(c)) for c in chunks_in)))
+        locs = {i: data.draw(st.integers(0, npes - 1)) for i in idx}
+    plan = plan_chunks(chunks_in, chunks_out, npes, locs)
+    assert plan.npes == npes
+    # input and output boxes each tile the array exactly once
+    assert (_cover(plan.input_boxes, shape) == 1).all()
+    assert (_cover(plan.output_boxes, shape) == 1).all()
+    # input pieces fill each PE's input box exactly
+    for pe, box in enumerate(plan.input_boxes):
+        fill = np.zeros(box.shape, dtype=int)
+        for p in plan.inputs[pe]:
+            size = [s.stop - s.start for s in p.chunk_slices]
+            assert size == [s.stop - s.start for s in p.box_slices]
+            fill[p.box_slices] += 1
+        assert (fill == 1).all()
+    # every non-empty output chunk is built whole on exactly one PE
+    owner = plan.output_owner()
+    nonempty = [i for i in itertools.product(*(range(len(c)) for c in chunks_out))
+                if all(chunks_out[a][k] for a, k in enumerate(i))]
+    assert sorted(owner) == sorted(nonempty)
+    # every PE takes part in the input when there are enough elements
+    if math.prod(shape) >= npes and max(shape) >= npes:
+        assert sum(not b.is_empty for b in plan.input_boxes) >= min(npes, 2)
+
+
+def test_regular_slabs_are_one_chunk_each():
+    n, p = 64, 4
+    plan = plan_chunks(((n,), (n // p,) * p), ((n // p,) * p, (n,)), p)
+    assert all(len(pieces) == 1 for pieces in plan.inputs)
+    assert all(len(pieces) == 1 for pieces in plan.outputs)
+    assert sorted(b.size for b in plan.input_boxes) == [n * n // p] * p
+
+
+def test_balanced_many_chunks():
+    chunks = ((10,) * 30, (7,) * 30)
+    boxes = bisect_boxes(chunks, 6)
+    sizes = [b.size for b in boxes]
+    assert max(sizes) <= 1.2 * (sum(sizes) / 6)
+
+
+def test_fewer_chunks_than_pes():
+    plan = plan_chunks(((10,), (10,)), ((10,), (10,)), 4)
+    assert sum(not b.is_empty for b in plan.input_boxes) == 4  # input split inside the chunk
+    assert sum(not b.is_empty for b in plan.output_boxes) == 1  # output chunks stay whole
+
+
+def test_owner_aware_placement_keeps_data_in_place():
+    n, p = 64, 4
+    chunks_in = ((n,), (n // p,) * p)
+    where = {(0, j): (3 - j) for j in range(p)}  # chunk j lives on PE 3-j
+    plan = plan_chunks(chunks_in, ((n // p,) * p, (n,)), p, where)
+    for pe, pieces in enumerate(plan.inputs):
+        assert [where[q.index] for q in pieces] == [pe]
+
+
+def test_output_boxes_follow_input_boxes():
+    # same grid in and out: nothing should move
+    chunks = ((5, 5, 5), (4, 4))
+    plan = plan_chunks(chunks, chunks, 3)
+    assert plan.moved_elements() == 0
+
+
+def test_16k_chunks_plan_fast():
+    chunks_in = ((128,) * 128, (128,) * 128)
+    chunks_out = ((4096,) * 4, (16384,))
+    t0 = time.perf_counter()
+    plan = plan_chunks(chunks_in, chunks_out, 4)
+    assert time.perf_counter() - t0 < 1.0
+    assert sum(len(p) for p in plan.inputs) == 128 * 128

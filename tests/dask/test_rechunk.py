@@ -1,0 +1,216 @@
+"""pgas rechunk on a local MPI-backed cluster (3 worker ranks), against NumPy and Dask's own rechunk."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import dask
+import dask.array as da
+import dask_pgas
+from distributed import wait
+from dask_pgas.integration import PGASRechunkUnsupported
+
+pytestmark = [pytest.mark.dask, pytest.mark.timeout(300)]
+
+DTYPES = ["float64", "float32", "int16", "uint8", "complex64", "bool", ">i4"]
+
+
+def _chunks_for(draw, n):
+    sizes, left = [], n
+    while left:
+        c = draw(st.integers(1, left))
+        sizes.append(c)
+        left -= c
+    return tuple(sizes)
+
+
+@st.composite
+def cases(draw):
+    ndim = draw(st.integers(1, 3))
+    shape = tuple(draw(st.integers(1, 24 if ndim > 1 else 200)) for _ in range(ndim))
+    dtype = draw(st.sampled_from(DTYPES))
+    cin = tuple(_chunks_for(draw, n) for n in shape)
+    cout = tuple(_chunks_for(draw, n) for n in shape)
+    return shape, np.dtype(dtype), cin, cout
+
+
+def _reference(shape, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.random(shape) * 100).astype(dtype)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=cases())
+def test_matches_numpy(client, case):
+    shape, dtype, cin, cout = case
+    ref = _reference(shape, dtype)
+    x = da.from_array(ref, chunks=cin)
+    y = dask_pgas.rechunk(x, cout)
+    assert y.chunks == cout
+    assert y.dtype == dtype
+    out = y.compute()
+    assert out.dtype == dtype and isinstance(out, np.ndarray)
+    np.testing.assert_array_equal(out, ref)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [{0: 7}, {1: -1}, {0: None, 1: 5}, (None, 9), -1, "auto", 13, ((10, 20, 30, 40), (50,))],
+)
+def test_chunk_forms_like_dask(client, spec):
+    ref = _reference((100, 50), "float64")
+    x = da.from_array(ref, chunks=(10, 25))
+    y = dask_pgas.rechunk(x, spec)
+    assert y.chunks == x.rechunk(spec, method="tasks").chunks
+    np.testing.assert_array_equal(y.compute(), ref)
+
+
+def test_balance_and_limit(client):
+    x = da.ones((1000, 10), chunks=(100, 10))
+    y = dask_pgas.rechunk(x, (400, -1), balance=True)
+    assert y.chunks == x.rechunk((400, -1), balance=True, method="tasks").chunks
+    y = dask_pgas.rechunk(x, {0: "auto"}, block_size_limit=8000)
+    assert y.chunks == x.rechunk({0: "auto"}, block_size_limit=8000, method="tasks").chunks
+    assert y.sum().compute() == 10000
+
+
+def test_same_chunks_is_noop(client):
+    x = da.ones((10, 10), chunks=5)
+    assert dask_pgas.rechunk(x, 5) is x
+
+
+def test_output_chunks_on_owner_and_no_transfer_of_placed_input(client):
+    world = dask_pgas.world(client)
+    p = world.npes
+    n = 60 * p
+    x = da.random.random((n, n), chunks=(n, n // p)).persist()
+    wait(x)
+    before = client.run(lambda dask_worker: sum(e["total"] for e in dask_worker.transfer_incoming_log))
+    y = dask_pgas.rechunk(x, (n // p, n)).persist()
+    wait(y)
+    after = client.run(lambda dask_worker: sum(e["total"] for e in dask_worker.transfer_incoming_log))
+    moved = sum(after.values()) - sum(before.values())
+    assert moved < 10_000, f"Dask moved {moved} bytes of an already placed input"
+    # every output chunk sits on one worker, the owner of its box; PEs each own one row slab here
+    who = client.who_has(y)
+    holders = [tuple(v) for v in who.values()]
+    assert all(len(h) == 1 for h in holders)
+    assert len({h[0] for h in holders}) == p
+    assert {h[0] for h in holders} <= set(world.workers)
+    # and back: the earlier pgas output's placement is known, nothing moves through Dask either
+    z = dask_pgas.rechunk(y, (n, n // p)).persist()
+    wait(z)
+    again = client.run(lambda dask_worker: sum(e["total"] for e in dask_worker.transfer_incoming_log))
+    assert sum(again.values()) - sum(after.values()) < 10_000
+    np.testing.assert_array_equal(z.compute(), x.compute())
+
+
+def test_lazy_composable(client):
+    dask_pgas.install()
+    try:
+        ref = _reference((90, 60), "float64")
+        x = da.from_array(ref, chunks=(90, 20))
+        total = (x.rechunk((30, 60), method="pgas") + 1).sum().compute()
+        assert np.isclose(total, (ref + 1).sum())
+        # two pgas rechunks in one graph
+        a = x.rechunk((30, 60), method="pgas")
+        b = (x * 2).rechunk((45, 30), method="pgas")
+        got = (a + b.rechunk((30, 60), method="pgas")).compute()
+        np.testing.assert_array_equal(got, 3 * ref)
+        # persist, then keep computing on it
+        p = a.persist()
+        np.testing.assert_allclose((p.T @ p).compute(), ref.T @ ref)
+    finally:
+        dask_pgas.uninstall()
+
+
+def test_concurrent_rechunks_from_two_threads(client):
+    ref = _reference((120, 90), "float32")
+    x = da.from_array(ref, chunks=(120, 10))
+    errors, results = [], {}
+
+    def work(i):
+        try:
+            for k in range(4):
+                y = dask_pgas.rechunk(x + i, (7 + i + k, 90))
+                results[(i, k)] = y.compute()
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert not errors, errors
+    for (i, _), got in results.items():
+        np.testing.assert_array_equal(got, ref + i)
+
+
+def test_install_dispatch_and_passthrough(client):
+    x = da.ones((40, 40), chunks=(40, 10))
+    assert not dask_pgas.integration.installed()
+    with pytest.raises(NotImplementedError):
+        x.rechunk((10, 40), method="pgas")
+    dask_pgas.install()
+    dask_pgas.install()  # idempotent
+    try:
+        y = x.rechunk((10, 40), method="pgas")
+        assert y.name.startswith("pgas-rechunk-")
+        with dask.config.set({"array.rechunk.method": "pgas"}):
+            assert x.rechunk((10, 40)).name.startswith("pgas-rechunk-")
+            assert da.rechunk(x, (10, 40)).name.startswith("pgas-rechunk-")
+        t = x.rechunk((10, 40), method="tasks")
+        assert not any(str(k).startswith("('pgas") for k in dict(t.dask))
+        p = x.rechunk((10, 40), method="p2p")
+        assert "p2p" in p.name or "rechunk-p2p" in str(list(p.dask.layers))
+        assert y.sum().compute() == 1600 and p.sum().compute() == 1600
+    finally:
+        dask_pgas.uninstall()
+    assert not dask_pgas.integration.installed()
+
+
+def test_unsupported_cases_follow_fallback(client):
+    x = da.ones((20, 20), chunks=5)
+    nan = x[x[:, 0] > 0]  # unknown chunk sizes
+    with pytest.raises(PGASRechunkUnsupported, match="compute_chunk_sizes"):
+        dask_pgas.rechunk(nan, (10, 10))
+    obj = da.from_array(np.array([object()] * 10, dtype=object), chunks=5)
+    with pytest.raises(PGASRechunkUnsupported, match="objects"):
+        dask_pgas.rechunk(obj, 10)
+    with dask.config.set({"pgas.fallback": "tasks"}):
+        y = dask_pgas.rechunk(nan, {1: 10})
+        assert not y.name.startswith("pgas")
+        assert y.chunks[1] == (10, 10)
+    with dask.config.set({"array.query-planning": True}), pytest.raises(PGASRechunkUnsupported,
+                                                                         match="query-planning"):
+        dask_pgas.rechunk(x, 10)
+
+
+def test_world_and_bootstrap_idempotent(client):
+    w1 = dask_pgas.world(client)
+    w2 = dask_pgas.bootstrap(client)
+    assert w1 == w2 and w1.npes == 3 and w1.backends == ("mpi",)
+    info = dask_pgas.world(client, detail=True)
+    assert "PE 2" in str(info)
+    assert set(info.info) == set(w1.workers)
+
+
+def test_world_members_are_not_retired(client):
+    w = dask_pgas.world(client)
+    client.retire_workers(workers=[w.workers[0]], close_workers=False)
+    assert w.workers[0] in client.scheduler_info()["workers"]
+    assert dask_pgas.world(client).broken is None
+
+
+def test_empty_and_zero_size_chunks(client):
+    x = da.ones((0, 5), chunks=(1, 5))
+    assert dask_pgas.rechunk(x, (1, 1)).shape == (0, 5)
+    ref = _reference((10, 6), "float64")
+    x = da.from_array(ref, chunks=((5, 0, 5), (6,)))
+    np.testing.assert_array_equal(dask_pgas.rechunk(x, ((2, 8), (3, 0, 3))).compute(), ref)
