@@ -118,7 +118,9 @@ def _ptr(array: Any) -> int:
     mod = type(array).__module__
     if mod.startswith("cupy"):
         return int(array.data.ptr)
-    return int(array.data_ptr())
+    # torch reports data_ptr() == 0 for empty tensors; cuFFTMp still needs the symmetric address of every PE's
+    # buffers (it derives peers' addresses from the local ones), so as_array remembers it
+    return int(getattr(array, "_dask_pgas_ptr", 0) or array.data_ptr())
 
 
 def _package(array: Any) -> str:
@@ -396,8 +398,12 @@ class NVSHMEMEngine(Engine):
             raw = torch.as_tensor(_CAI(allocation.ptr, count * itemsize, allocation), device=f"cuda:{self.device}")
             t = raw.view(tdt)
             if order == "F" and len(shape) > 1:
-                return t.view(tuple(reversed(shape))).permute(*reversed(range(len(shape))))
-            return t.view(shape)
+                t = t.view(tuple(reversed(shape))).permute(*reversed(range(len(shape))))
+            else:
+                t = t.view(shape)
+            if count == 0:
+                t._dask_pgas_ptr = allocation.ptr
+            return t
         raise UnsupportedOperandError(f"the nvshmem engine allocates cupy or torch arrays, not {package}")
 
     def on_heap(self, array: Any) -> bool:
@@ -468,7 +474,11 @@ class NVSHMEMReshapePlan(ReshapePlan):
         self.nbytes_in = spec.input_box.size * item
         self.nbytes_out = spec.output_box.size * item
         self.layout = None
-        if all(i == o for i, o in zip(spec.input_boxes, spec.output_boxes)):
+        if all(i == o for i, o in zip(spec.input_boxes, spec.output_boxes)) or all(
+            b.is_empty for b in (*spec.input_boxes, *spec.output_boxes)
+        ):
+            # every rank keeps its box (or there is nothing at all): a local copy, no collective; cuFFTMp
+            # refuses to execute a reshape of an empty domain (CUFFT_INVALID_VALUE, seen on the H200)
             self.mode = "copy"
             return
         reason = None

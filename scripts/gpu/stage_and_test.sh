@@ -10,7 +10,8 @@
 # NVSHMEM, CPU tests); "test" reassembles cuFFTMp, then runs the GPU tests, the core suite with --backend
 # nvshmem at 1, 2 and 4 PEs without and with MPS, and the benchmark. Logs: $OUT/*.log, summary in $OUT/summary.txt.
 # Environment knobs: EXAMPLES (hypothesis examples per suite run, default 15), BUDGET_S (stop starting steps after
-# this many seconds, default 540), SKIP_MPS=1, STEPS (space-separated subset of: pytest checks uid suite bench mps).
+# this many seconds, default 540), SKIP_MPS=1, STEPS (space-separated subset of: pytest checks uid suite bench mps),
+# SUITE_CFGS (e.g. "2:torch 4:torch"; PEs:package pairs for the core suite), MPS_NP (default "2 4").
 set -u
 MODE=${1:-test}
 SUB=${2:-}
@@ -58,6 +59,7 @@ if [ "$MODE" = upload ]; then
   LOG=$OUT/upload.log
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$SUMMARY" 2>&1
   python3 -c "import nvidia.nvshmem, cupy, torch, mpi4py; print('nvshmem', nvidia.nvshmem.__path__, 'cupy', cupy.__version__, 'torch', torch.__version__)" >>"$SUMMARY" 2>&1
+  [ "$SUB" = copy ] && exit 0   # only stage the part (a repeat round)
   [ "$SUB" = mps ] && { export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50; mps_start; }
   step "cpu-tests" 120 "$LOG" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_planning_cpu.py
   for np_ in 1 2 4; do
@@ -88,7 +90,7 @@ fi
 
 # pytest tests/gpu: the CPU planning tests plus gpu_checks and uid_checks at 1 and 2 PEs
 want pytest && step "pytest tests/gpu" 300 "$TLOG" python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/gpu
-if want checks; then for np_ in 4; do
+if want checks; then for np_ in ${CHECK_NP:-4}; do
   step "gpu_checks np=$np_" 150 "$TLOG" $MPIRUN -n $np_ python3 tests/gpu/programs/gpu_checks.py
 done; fi
 if want uid; then for np_ in 4; do
@@ -100,14 +102,14 @@ if want bench; then for np_ in 1 2 4; do
 done; fi
 SUITE=tests/mpi/programs/reshape_suite.py
 if want suite && [ -e $SUITE ]; then
-  for cfg in "1 cupy" "2 cupy" "4 cupy" "2 torch" "4 torch" "2 numpy" "4 numpy"; do
-    set -- $cfg
+  for cfg in ${SUITE_CFGS:-1:cupy 2:cupy 4:cupy 2:torch 4:torch 2:numpy 4:numpy}; do
+    set -- ${cfg/:/ }
     step "core suite np=$1 --package $2" 150 "$SLOG" $MPIRUN -n $1 python3 $SUITE --backend nvshmem --package $2 --examples $EXAMPLES
   done
 fi
 if want mps && [ "${SKIP_MPS:-0}" != 1 ]; then
   mps_start
-  for np_ in 2 4; do
+  for np_ in ${MPS_NP:-2 4}; do
     export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100/np_))
     step "MPS gpu_checks np=$np_" 150 "$MLOG" $MPIRUN -n $np_ python3 tests/gpu/programs/gpu_checks.py
     step "MPS bench np=$np_" 120 "$BLOG" $MPIRUN -n $np_ python3 benchmarks/bench_gpu_reshape.py

@@ -147,12 +147,13 @@ def main():
             raise AssertionError("free of a view did not raise")
         dask_pgas.free_symmetric_memory(f)
         try:
-            dask_pgas.allocate_symmetric_memory((RANK + 1,), cp)
+            one = dask_pgas.allocate_symmetric_memory((RANK + 1,), cp)
         except errors.SymmetricMemoryError:
             if SIZE == 1:
                 raise
         else:
             assert SIZE == 1, "different sizes without make_symmetric did not raise"
+            dask_pgas.free_symmetric_memory(one)
 
     def symmetric_torch():
         import torch
@@ -203,6 +204,10 @@ def main():
         outs = slabs((n, n), 0, [n * i // (SIZE - 1) for i in range(SIZE)] + [n])
         check("empty-boxes", lambda: run_reshape((n, n), "float64", ins, outs))
         check("empty-boxes-numpy", lambda: run_reshape((n, n), "int16", ins, outs, package="numpy"))
+    check("all-empty-domain-torch", lambda: run_reshape((0, 5), "float32", slabs((0, 5), 1), slabs((0, 5), 0),
+                                                        package="torch", expect_mode="copy"))
+    if SIZE > 1:
+        check("empty-boxes-torch", lambda: run_reshape((n, n), "float64", ins, outs, package="torch"))
     os.environ["DASK_PGAS_NVSHMEM_RESHAPE"] = "peer"
     check("peer-forced", lambda: run_reshape(shape, "float64", *c2r, expect_mode="peer" if SIZE > 1 else "copy"))
     check("peer-forced-torch-F", lambda: run_reshape(s3, "complex64", slabs(s3, 0), slabs(s3, 2), package="torch",
