@@ -25,7 +25,9 @@ COMMON = ["bool", "int8", "uint8", "int16", "int32", "int64", "float16", "float3
 HOST_ONLY = ["uint16", "uint32", "uint64", ">f8", "<i4", "S5", "V3",
              np.dtype([("a", "i1"), ("b", "<f8")]), np.dtype([("a", "i1"), ("b", "<f8")], align=True)]
 DTYPES = [np.dtype(d) for d in COMMON + (HOST_ONLY if opts.package == "numpy" else [])]
-KINDS = (["plain", "symmetric", "strided"] if opts.backend == "mpi" else ["plain", "strided"]) if opts.package == "numpy" else ["symmetric"]
+# NumPy symmetric memory exists on the mpi backend only (nvshmem stages NumPy operands through the GPU heap)
+HOST_KINDS = ["plain", "symmetric", "strided"] if opts.backend == "mpi" else ["plain", "strided"]
+KINDS = HOST_KINDS if opts.package == "numpy" else ["symmetric"]
 
 
 def global_array(shape, dtype, seed):
