@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -59,6 +60,7 @@ class LocalMPICluster:
         mpiexec_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
         timeout: float = 120.0,
+        restart_workers: bool = True,
     ) -> None:
         self.n_workers = n_workers
         self.status = Status.created
@@ -75,13 +77,13 @@ class LocalMPICluster:
                  "--host", "127.0.0.1", "--port", "0", "--no-dashboard"],
             )
             self._wait_for_file(timeout)
-            self._workers = self._spawn(
-                "workers",
-                [_mpiexec(), "-n", str(n_workers), "-disable-auto-cleanup", *mpiexec_args, sys.executable,
-                 "-m", "dask_pgas.integration._worker_main", "--scheduler-file", self.scheduler_file,
-                 "--nthreads", str(threads_per_worker), "--memory-limit", str(memory_limit),
-                 "--local-directory", self._dir],
-            )
+            self._worker_cmd = [
+                _mpiexec(), *mpiexec_args, "-n", str(n_workers), sys.executable,
+                "-m", "dask_pgas.integration._worker_main", "--scheduler-file", self.scheduler_file,
+                "--nthreads", str(threads_per_worker), "--memory-limit", str(memory_limit),
+                "--local-directory", self._dir,
+            ]
+            self._workers = self._spawn("workers", self._worker_cmd)
             from distributed import Client
 
             with Client(self.scheduler_address, timeout=timeout) as client:
@@ -91,11 +93,25 @@ class LocalMPICluster:
 
                     self.world = _bootstrap(client, backends=backends)
             self.status = Status.running
+            self.restarts = 0
+            self._restart_workers = restart_workers
+            self._watcher = threading.Thread(target=self._watch, name="LocalMPICluster-watch", daemon=True)
+            self._watcher.start()
         except BaseException:
             self._kill()
             raise
 
     # ------------------------------------------------------------------ processes
+    def _watch(self) -> None:
+        """One MPI rank dying takes the whole MPI job down (MPICH's hydra kills the others): start a new job
+        of workers, so the cluster keeps computing; the PGAS world stays broken until bootstrapped again."""
+        while self.status == Status.running:
+            time.sleep(0.2)
+            if self._workers.poll() is None or self.status != Status.running or not self._restart_workers:
+                continue
+            self.restarts += 1
+            self._workers = self._spawn(f"workers-{self.restarts}", self._worker_cmd)
+
     def _spawn(self, what: str, cmd: list[str]) -> subprocess.Popen:
         log = open(os.path.join(self._dir, f"{what}.log"), "wb")  # noqa: SIM115 - closed in _kill
         self._logs.append(log)
@@ -127,7 +143,7 @@ class LocalMPICluster:
 
     def logs(self) -> str:
         out = []
-        for name in ("scheduler", "workers"):
+        for name in ("scheduler", "workers", *(f"workers-{i}" for i in range(1, getattr(self, "restarts", 0) + 1))):
             path = os.path.join(self._dir, f"{name}.log")
             if os.path.exists(path):
                 with open(path, errors="replace") as f:
@@ -137,7 +153,7 @@ class LocalMPICluster:
     def worker_pids(self) -> list[int]:
         """PIDs of the MPI worker processes (children of mpiexec)."""
         pids = []
-        for proc in self._procs[1:]:
+        for proc in [self._workers]:
             try:
                 out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout
             except OSError:  # pragma: no cover
@@ -152,6 +168,8 @@ class LocalMPICluster:
         if self.status in (Status.closed, Status.closing):
             return _Done()
         self.status = Status.closing
+        if getattr(self, "_watcher", None) is not None:
+            self._watcher.join(5)
         try:
             from distributed import Client
 

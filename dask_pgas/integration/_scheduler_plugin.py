@@ -54,6 +54,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         self._seq = 0
         self._runs: dict[str, _Run] = {}
         self._pinned: dict[Any, str] = {}  # key -> worker address
+        self._barriers: set = set()  # barrier keys of graphs on this scheduler
         self._lock: asyncio.Lock | None = None
 
     async def start(self, scheduler) -> None:
@@ -297,10 +298,12 @@ class PGASSchedulerPlugin(SchedulerPlugin):
 
     # ---------------------------------------------------------------- scheduler hooks
     def update_graph(self, scheduler, *, tasks=(), **kwargs) -> None:
-        from ._graph import PinnedTask
+        from ._graph import BarrierTask, PinnedTask
 
         for key in tasks:
             ts = scheduler.tasks.get(key)
+            if ts is not None and isinstance(ts.run_spec, BarrierTask):
+                self._barriers.add(key)
             if ts is None or not isinstance(ts.run_spec, PinnedTask):
                 continue
             spec = ts.run_spec
@@ -314,6 +317,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
     def transition(self, key, start, finish, *args, **kwargs) -> None:
         if finish == "forgotten":
             self._pinned.pop(key, None)
+            self._barriers.discard(key)
         if finish in ("released", "forgotten") and isinstance(key, str) and key.startswith("pgas-barrier-"):
             name = "pgas-rechunk-" + key[len("pgas-barrier-"):]
             msgs = {w: [{"op": "pgas-forget", "name": name}] for w in self.world if w in self.scheduler.workers}
@@ -345,6 +349,37 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                     logger.warning("dask_pgas: could not fail %s: %r", key, e)
         if recs:
             scheduler.transitions(recs, stimulus_id=stimulus_id)
+        # With MPI the whole job often goes down with one rank: no worker may be left to report the failure,
+        # so the scheduler errs the barriers itself (the error reaches every dependent and the client).
+        for key in list(self._barriers):
+            self._err(scheduler, key, exc, stimulus_id)
+
+    @staticmethod
+    def _err(scheduler, key, exc: BaseException, stimulus_id: str) -> None:
+        ts = scheduler.tasks.get(key)
+        if ts is None or ts.state in ("memory", "erred", "forgotten"):
+            return
+        blob = pickle.dumps(exc)
+        kwargs = {"cause": key, "exception": blob, "traceback": None,
+                  "exception_text": str(exc), "traceback_text": ""}
+        try:
+            if ts.state == "processing":
+                recs = scheduler.transition(key, "erred", stimulus_id=stimulus_id,
+                                            worker=ts.processing_on.address, **kwargs)
+                scheduler.transitions(recs, stimulus_id=stimulus_id)
+            elif ts.state in ("no-worker", "queued"):
+                recs = scheduler.transition(key, "erred", stimulus_id=stimulus_id, **kwargs)
+                scheduler.transitions(recs, stimulus_id=stimulus_id)
+            elif ts.state in ("waiting", "released"):
+                ts.exception, ts.traceback = blob, None
+                ts.exception_text, ts.traceback_text = str(exc), ""
+                ts.exception_blame = ts
+                if ts.state == "waiting":
+                    scheduler.transitions({key: "released"}, stimulus_id=stimulus_id)
+                if ts.state == "released":
+                    scheduler.transitions({key: "erred"}, stimulus_id=stimulus_id)
+        except Exception as e:  # pragma: no cover - defensive: never break the scheduler
+            logger.warning("dask_pgas: could not fail %s: %r", key, e)
 
     def valid_workers_downscaling(self, scheduler, workers: list) -> list:
         if self.broken:

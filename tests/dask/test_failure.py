@@ -1,0 +1,88 @@
+"""Teardown, a worker killed inside a collective, and closing the local cluster (its own cluster)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import dask.array as da
+import dask_pgas
+from dask_pgas.errors import CollectiveError
+from dask_pgas.integration import PGASRechunkUnsupported, PGASWorldError
+
+pytestmark = [pytest.mark.dask, pytest.mark.timeout(240)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead too
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_teardown_kill_and_close(capfd):
+    from distributed import Client
+
+    cluster = dask_pgas.LocalMPICluster(n_workers=3, env={"DASK_PGAS__COLLECTIVE_TIMEOUT": "30s"})
+    pids = cluster.worker_pids()
+    procs = [p.pid for p in cluster._procs]
+    assert len(pids) == 3
+    try:
+        with Client(cluster) as client:
+            x = da.random.random((300, 300), chunks=(300, 100)).persist()
+            ref = x.compute()
+            np.testing.assert_array_equal(dask_pgas.rechunk(x, (100, 300)).compute(), ref)
+            # -- teardown frees every symmetric buffer collectively
+            held = dask_pgas.teardown(client)
+            assert held and set(held.values()) == {0}
+            assert dask_pgas.world(client) is None
+            with pytest.raises(PGASRechunkUnsupported, match="bootstrap"):
+                dask_pgas.rechunk(x, (100, 300))
+            w = dask_pgas.bootstrap(client)
+            assert w.epoch == 2 and w.npes == 3
+            np.testing.assert_array_equal(dask_pgas.rechunk(x, (100, 300)).compute(), ref)
+
+            # -- kill PE 1 while the collective runs (the run sleeps 4 s inside the collective)
+            victim = client.run(os.getpid, workers=[w.workers[1]])[w.workers[1]]
+            fut = client.compute(dask_pgas.rechunk(x, (50, 300), _delay=4.0))
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                info = dask_pgas.world(client, detail=True).info
+                if any(isinstance(i, dict) and i.get("busy_for") for i in info.values()):
+                    break
+                time.sleep(0.05)
+            t0 = time.monotonic()
+            os.kill(victim, signal.SIGKILL)
+            with pytest.raises(CollectiveError, match="left the PGAS world"):
+                fut.result(timeout=60)
+            assert time.monotonic() - t0 < 30
+            # later rechunks raise until the world is bootstrapped again ...
+            broken = dask_pgas.world(client)
+            assert broken.broken and "left the PGAS world" in broken.broken
+            with pytest.raises(PGASRechunkUnsupported, match="broken"):
+                dask_pgas.rechunk(x, (50, 300))
+            # the local cluster replaces the MPI job (MPICH takes every rank down with the one that died)
+            client.wait_for_workers(3, timeout=60)
+            pids += cluster.worker_pids()
+            assert dask_pgas.world(client).broken
+            # the input stays computable
+            np.testing.assert_array_equal(x.rechunk((50, 300), method="tasks").compute(), ref)
+            # and a new world comes up on the new workers
+            w3 = dask_pgas.bootstrap(client)
+            assert w3.epoch == 3 and w3.broken is None and set(w3.workers) != set(w.workers)
+            np.testing.assert_array_equal(dask_pgas.rechunk(x, (50, 300)).compute(), ref)
+    finally:
+        cluster.close()
+    time.sleep(0.5)
+    assert not [p for p in pids + procs if _alive(p)]
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err
