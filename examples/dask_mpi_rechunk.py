@@ -1,0 +1,29 @@
+"""A dask-mpi job whose workers form the PGAS world.
+
+    mpiexec -n 5 python examples/dask_mpi_rechunk.py
+
+Rank 0 runs the scheduler, rank 1 this client code, ranks 2..4 one ``distributed.Worker`` each (the worker IS
+the MPI process: no Nanny). ``dask_pgas.bootstrap`` builds a communicator of the worker ranks only and brings
+the PGAS runtime up on each worker; ``dask_pgas.rechunk`` then moves the data in one collective.
+"""
+
+import dask_mpi
+
+dask_mpi.initialize(nthreads=1, worker_class="distributed.Worker", dashboard=False)
+
+import dask.array as da  # noqa: E402
+import numpy as np  # noqa: E402
+from distributed import Client  # noqa: E402
+
+import dask_pgas  # noqa: E402
+
+with Client() as client:
+    client.wait_for_workers(3)
+    world = dask_pgas.bootstrap(client)
+    print(world, flush=True)
+    n = 3000
+    x = da.random.random((n, n), chunks=(n, n // world.npes)).persist()
+    y = dask_pgas.rechunk(x, (n // world.npes, n)).persist()  # column slabs -> row slabs, one collective
+    ok = np.array_equal(y.compute(), x.compute())
+    print("rechunk", "OK" if ok else "WRONG", y.chunks[0], flush=True)
+    dask_pgas.teardown(client)  # free symmetric memory collectively before the job ends

@@ -1,0 +1,39 @@
+"""The first notebook and the ``dask-pgas demo`` main job, run small on CPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.dask, pytest.mark.timeout(300)]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_notebook_runs(monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    monkeypatch.setenv("DASK_PGAS_NOTEBOOK_SIZE", "16MiB")
+    monkeypatch.setenv("DASK_PGAS_NOTEBOOK_WORKERS", "2")
+    monkeypatch.delenv("DASK_PGAS_SCHEDULER_FILE", raising=False)
+    nb = nbformat.read(os.path.join(ROOT, "notebooks", "01_pgas_rechunk.ipynb"), as_version=4)
+    nbclient.NotebookClient(nb, timeout=240, kernel_name="python3",
+                            resources={"metadata": {"path": ROOT}}).execute()
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "result checked" in text and "p2p" in text
+
+
+def test_demo_main_job():
+    out = subprocess.run(
+        [sys.executable, "-m", "dask_pgas.cli", "demo", "--size", "16MiB", "--workers", "2", "--repeats", "1",
+         "--cpu"],
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "pgas" in out.stdout and "WRONG" not in out.stdout
+    assert out.stdout.count("OK") >= 3  # pgas, tasks and p2p results checked
+    assert "Traceback" not in out.stderr
