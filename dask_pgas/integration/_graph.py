@@ -20,16 +20,19 @@ class PinnedTask(Task):
 
     pe: int
     epoch: int
+    npes: int
 
     __slots__ = tuple(__annotations__)
 
-    def __init__(self, key: Any, func, /, *args: Any, pe: int, epoch: int, **kwargs: Any) -> None:
+    def __init__(self, key: Any, func, /, *args: Any, pe: int, epoch: int, npes: int, **kwargs: Any) -> None:
         self.pe = pe
         self.epoch = epoch
+        self.npes = npes
         super().__init__(key, func, *args, **kwargs)
 
     def copy(self):
-        return type(self)(self.key, self.func, *self.args, pe=self.pe, epoch=self.epoch, **self.kwargs)
+        return type(self)(self.key, self.func, *self.args, pe=self.pe, epoch=self.epoch, npes=self.npes,
+                          **self.kwargs)
 
     @property
     def block_fusion(self) -> bool:
@@ -89,7 +92,8 @@ def build_graph(x, plan, name: str, epoch: int, spec: RunSpec) -> dict:
         key = (tname, pe)
         refs = [TaskRef((x.name, *p.index)) for p in pieces]
         slices = tuple((p.chunk_slices, p.box_slices) for p in pieces)
-        dsk[key] = PinnedTask(key, transfer, name, pe, epoch, spec, slices, *refs, pe=pe, epoch=epoch)
+        dsk[key] = PinnedTask(key, transfer, name, pe, epoch, spec, slices, *refs, pe=pe, epoch=epoch,
+                                 npes=plan.npes)
     dsk[bname] = BarrierTask(bname, barrier, name, epoch, *(TaskRef((tname, pe)) for pe in range(plan.npes)))
     done = set()
     for pe, pieces in enumerate(plan.outputs):
@@ -98,7 +102,7 @@ def build_graph(x, plan, name: str, epoch: int, spec: RunSpec) -> dict:
             key = (name, *p.index)
             whole = tuple(s.stop - s.start for s in p.box_slices) == box.shape
             dsk[key] = PinnedTask(key, output, name, pe, epoch, p.box_slices, whole, TaskRef(bname),
-                                  pe=pe, epoch=epoch)
+                                  pe=pe, epoch=epoch, npes=plan.npes)
             done.add(p.index)
     for index in np.ndindex(*(len(c) for c in plan.chunks_out)):
         if index not in done:  # chunks without elements

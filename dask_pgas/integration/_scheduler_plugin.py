@@ -34,6 +34,7 @@ class _Run:
         self.name = name
         self.seq = seq
         self.failed: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.task: asyncio.Future | None = None
 
     def fail(self, message: str) -> None:
         if not self.failed.done():
@@ -55,6 +56,8 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         self._runs: dict[str, _Run] = {}
         self._pinned: dict[Any, str] = {}  # key -> worker address
         self._barriers: set = set()  # barrier keys of graphs on this scheduler
+        self._ready: dict[str, set] = {}  # run name -> PEs whose transfer task is in memory
+        self._finished: dict[str, dict] = {}  # run name -> result, until its barrier task asks
         self._lock: asyncio.Lock | None = None
 
     async def start(self, scheduler) -> None:
@@ -220,18 +223,51 @@ class PGASSchedulerPlugin(SchedulerPlugin):
 
     # ---------------------------------------------------------------- runs
     async def barrier(self, name: str, epoch: int) -> dict:
-        if self.broken:
-            return {"status": "error", "message": self.broken}
-        if epoch != self.epoch or not self.world:
-            return {"status": "error", "message": f"{name} was built for PGAS world #{epoch}; the cluster runs "
-                    f"#{self.epoch if self.world else 'none'}: build the rechunk again"}
-        missing = [w for w in self.world if w not in self.scheduler.workers]
-        if missing:
-            return {"status": "error", "message": f"PGAS world members {missing} are gone"}
+        """Called by the barrier task: the result of the run of ``name`` (started now unless the transition
+        hook already started it when the last transfer task finished)."""
+        run = self._runs.get(name)
+        if run is None:
+            if name in self._finished:
+                return self._finished.pop(name)
+            run = self._start(name, epoch)
+        result = await asyncio.shield(run.task)
+        self._finished.pop(name, None)
+        return result
+
+    def _start(self, name: str, epoch: int) -> _Run:
+        """Number the run of ``name`` and tell every member to run it (all transfer tasks are done)."""
+        self._ready.pop(name, None)
         seq = self._seq
-        self._seq += 1
         run = _Run(name, seq)
+        if self.broken:
+            error = self.broken
+        elif epoch != self.epoch or not self.world:
+            error = (f"{name} was built for PGAS world #{epoch}; the cluster runs "
+                     f"#{self.epoch if self.world else 'none'}: build the rechunk again")
+        elif missing := [w for w in self.world if w not in self.scheduler.workers]:
+            error = f"PGAS world members {missing} are gone"
+        else:
+            error = None
+            self._seq += 1
         self._runs[name] = run
+        run.task = asyncio.ensure_future(self._drive(run, epoch, error))
+        return run
+
+    async def _drive(self, run: _Run, epoch: int, error: str | None) -> dict:
+        name, seq = run.name, run.seq
+        try:
+            if error is not None:
+                return {"status": "error", "message": error}
+            result = await self._collective(run, epoch)
+        finally:
+            self._runs.pop(name, None)
+        self._finished[name] = result
+        while len(self._finished) > 1000:  # results nobody asked for (a barrier that was never run)
+            self._finished.pop(next(iter(self._finished)))
+        return result
+
+    async def _collective(self, run: _Run, epoch: int) -> dict:
+        name, seq = run.name, run.seq
         timeout = parse_timedelta(dask.config.get("pgas.collective-timeout", "120s"))
         tasks = {
             asyncio.ensure_future(self.scheduler.rpc(w).pgas_start(name=name, seq=seq, epoch=epoch)): w
@@ -269,7 +305,6 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                 if message:
                     break
         finally:
-            self._runs.pop(name, None)
             for t in remaining_tasks:
                 t.cancel()
         if message is None:
@@ -315,11 +350,29 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             self._pinned[key] = addr
 
     def transition(self, key, start, finish, *args, **kwargs) -> None:
+        if (finish == "memory" and type(key) is tuple and len(key) == 2 and isinstance(key[0], str)
+                and key[0].startswith("pgas-transfer-")):
+            # the last transfer task of a run is done: start the collective now, without waiting for the
+            # barrier task to be scheduled and to gather its inputs (it then only collects the result)
+            ts = self.scheduler.tasks.get(key)
+            spec = ts.run_spec if ts is not None else None
+            name = "pgas-rechunk-" + key[0][len("pgas-transfer-"):]
+            from ._graph import PinnedTask
+
+            if isinstance(spec, PinnedTask) and name not in self._runs:
+                ready = self._ready.setdefault(name, set())
+                ready.add(key[1])
+                if len(ready) == spec.npes:
+                    self._finished.pop(name, None)
+                    self._start(name, spec.epoch)
+            return
         if finish == "forgotten":
             self._pinned.pop(key, None)
             self._barriers.discard(key)
         if finish in ("released", "forgotten") and isinstance(key, str) and key.startswith("pgas-barrier-"):
             name = "pgas-rechunk-" + key[len("pgas-barrier-"):]
+            self._ready.pop(name, None)
+            self._finished.pop(name, None)
             msgs = {w: [{"op": "pgas-forget", "name": name}] for w in self.world if w in self.scheduler.workers}
             if msgs:
                 self.scheduler.send_all({}, msgs)
