@@ -168,11 +168,11 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     print()
-    print(f"| scenario | shape | pgas fwd / back GB/s | tasks fwd / back | p2p fwd / back | pgas / best peer | "
-          f"Alltoallw GB/s | pgas / Alltoallw |")
+    print("| scenario | shape | pgas fwd / back GB/s | tasks fwd / back | p2p fwd / back | pgas / best peer | "
+          "Alltoallw GB/s | pgas / Alltoallw |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        def fb(m):
+        def fb(m, r=r):
             if f"{m}_fwd_GBps" not in r:
                 return r.get(f"{m}_error", "-")[:40]
             return f"{r[f'{m}_fwd_GBps']:.2f} / {r[f'{m}_back_GBps']:.2f}"

@@ -32,9 +32,8 @@ def _wait_forgotten(client, keys: list) -> None:
 
 def _timed(client, fn, repeats: int) -> tuple[float, object]:
     """Median seconds of ``fn().persist()`` end to end (graph construction included), and the last result."""
-    from distributed import wait
-
     from dask.core import flatten
+    from distributed import wait
 
     times, result = [], None
     for _ in range(repeats):
@@ -52,7 +51,6 @@ def _timed(client, fn, repeats: int) -> tuple[float, object]:
 def demo(args: argparse.Namespace) -> int:
     import dask
     import dask.array as da
-    import numpy as np
     from dask.utils import format_bytes, parse_bytes
     from distributed import Client, wait
 
@@ -84,8 +82,8 @@ def demo(args: argparse.Namespace) -> int:
         for method in ("pgas", "tasks", "p2p") if not args.pgas_only else ("pgas",):
             try:
                 with dask.config.set({"array.rechunk.method": method}):
-                    fwd, y = _timed(client, lambda: x.rechunk(rows, method=method), args.repeats)
-                    back, z = _timed(client, lambda y=y: y.rechunk(cols, method=method), args.repeats)
+                    fwd, y = _timed(client, lambda x=x, m=method: x.rechunk(rows, method=m), args.repeats)
+                    back, z = _timed(client, lambda y=y, m=method: y.rechunk(cols, method=m), args.repeats)
                 ok = bool(da.all(z == x).compute()) and bool(da.all(y == x.rechunk(rows, method="tasks")).compute())
                 results[method] = (fwd, back, ok)
                 del y, z

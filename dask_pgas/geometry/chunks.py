@@ -20,7 +20,7 @@ Pure Python + NumPy (and dask.array's pure chunk helpers): no MPI, CUDA or distr
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -97,7 +97,7 @@ def _bisect(
     if npes == 1:
         out.append((lo, up))
         return
-    ext = [u - l for l, u in zip(lo, up)]
+    ext = [u - lo_ for lo_, u in zip(lo, up)]
     if math.prod(ext) == 0:
         out.extend([(lo, up)] + [(lo, lo)] * (npes - 1))
         return
@@ -132,7 +132,7 @@ def _bisect(
     frac = (cut - lo[ax]) / ext[ax]
     p1 = min(max(round(npes * frac), 1), npes - 1)
     up1 = tuple(cut if a == ax else u for a, u in enumerate(up))
-    lo2 = tuple(cut if a == ax else l for a, l in enumerate(lo))
+    lo2 = tuple(cut if a == ax else lo_ for a, lo_ in enumerate(lo))
     _bisect(lo, up1, p1, bounds, split_chunks, out)
     _bisect(lo2, up, npes - p1, bounds, split_chunks, out)
 

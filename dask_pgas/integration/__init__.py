@@ -13,10 +13,10 @@ import yaml
 with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "pgas.yaml")) as _f:
     dask.config.update_defaults(yaml.safe_load(_f))
 
-from ._client import World, bootstrap, teardown, world  # noqa: E402
-from ._cluster import LocalMPICluster  # noqa: E402
-from ._exceptions import PGASRechunkUnsupported, PGASWorldError  # noqa: E402
-from ._rechunk import install, installed, rechunk, uninstall  # noqa: E402
+from ._client import World, bootstrap, teardown, world
+from ._cluster import LocalMPICluster
+from ._exceptions import PGASRechunkUnsupported, PGASWorldError
+from ._rechunk import install, installed, rechunk, uninstall
 
 __all__ = [
     "LocalMPICluster",

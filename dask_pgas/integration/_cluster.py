@@ -113,7 +113,7 @@ class LocalMPICluster:
             self._workers = self._spawn(f"workers-{self.restarts}", self._worker_cmd)
 
     def _spawn(self, what: str, cmd: list[str]) -> subprocess.Popen:
-        log = open(os.path.join(self._dir, f"{what}.log"), "wb")  # noqa: SIM115 - closed in _kill
+        log = open(os.path.join(self._dir, f"{what}.log"), "wb")
         self._logs.append(log)
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env, start_new_session=True,
                                 stdin=subprocess.DEVNULL)

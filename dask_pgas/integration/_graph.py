@@ -74,9 +74,8 @@ def output(name: str, pe: int, epoch: int, box_slices: tuple, whole: bool, run: 
 
 
 def empty_chunk(meta: Any, shape: tuple) -> Any:
-    from dask.array.utils import meta_from_array
-
     import numpy as np
+    from dask.array.utils import meta_from_array
 
     return np.empty_like(meta_from_array(meta), shape=shape)
 

@@ -191,7 +191,8 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             errors = {w: r for w, r in res.items() if isinstance(r, BaseException) or r["status"] != "OK"}
             if errors:
                 w, r = next(iter(errors.items()))
-                self.world, self.broken = tuple(order), f"bootstrap failed on {w}: {r if isinstance(r, BaseException) else r['message']}"
+                why = r if isinstance(r, BaseException) else r["message"]
+                self.world, self.broken = tuple(order), f"bootstrap failed on {w}: {why}"
                 return {"status": "error", "message": self.broken}
             for pe, w in enumerate(order):
                 if res[w]["pe"] != pe:
@@ -254,7 +255,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         return run
 
     async def _drive(self, run: _Run, epoch: int, error: str | None) -> dict:
-        name, seq = run.name, run.seq
+        name = run.name
         try:
             if error is not None:
                 return {"status": "error", "message": error}

@@ -23,9 +23,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--local-directory", default=None)
     args = parser.parse_args(argv)
 
-    from mpi4py import MPI  # initializes MPI in this (main) thread
-
     from distributed import Worker
+    from mpi4py import MPI  # initializes MPI in this (main) thread
 
     rank = MPI.COMM_WORLD.Get_rank()
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(name)s %(levelname)s: %(message)s")

@@ -333,6 +333,7 @@ class PGASWorkerPlugin(WorkerPlugin):
     # ---------------------------------------------------------------- collective thread
     def _init(self, epoch, ranks, backends, uid, pe, npes) -> None:
         import dask_pgas
+
         from .. import runtime
 
         if self.poisoned:

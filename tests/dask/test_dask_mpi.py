@@ -31,9 +31,9 @@ def test_dask_mpi_initialize_script():
 
 
 def test_dask_mpi_cli_scheduler_file(tmp_path):
+    import dask.array as da
     from distributed import Client
 
-    import dask.array as da
     import dask_pgas
 
     sched = tmp_path / "scheduler.json"

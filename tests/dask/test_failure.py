@@ -6,13 +6,13 @@ import os
 import signal
 import time
 
+import dask.array as da
 import numpy as np
 import pytest
 
-import dask.array as da
 import dask_pgas
 from dask_pgas.errors import CollectiveError
-from dask_pgas.integration import PGASRechunkUnsupported, PGASWorldError
+from dask_pgas.integration import PGASRechunkUnsupported
 
 pytestmark = [pytest.mark.dask, pytest.mark.timeout(240)]
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import threading
 
+import dask
+import dask.array as da
 import numpy as np
 import pytest
+from distributed import wait
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import dask
-import dask.array as da
 import dask_pgas
-from distributed import wait
 from dask_pgas.integration import PGASRechunkUnsupported
 
 pytestmark = [pytest.mark.dask, pytest.mark.timeout(300)]
