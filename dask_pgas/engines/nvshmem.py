@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..distribution import Box
-from ..errors import BackendUnavailableError, UnsupportedOperandError
+from ..errors import BackendUnavailableError, CollectiveError, UnsupportedOperandError
 from .base import Allocation, ControlPlane, Engine, ReshapePlan, ReshapeSpec
 
 __all__ = [
@@ -272,6 +272,8 @@ class NVSHMEMEngine(Engine):
         self.control = control if control is not None else NVSHMEMControl(nv, drv)
         self.my_pe = nv.my_pe()
         self._allocs: dict[int, int] = {}  # ptr -> nbytes, engine-wide (user and internal)
+        self._pool: dict[int, list[int]] = {}  # nbytes -> freed blocks kept for reuse
+        self._pool_bytes = 0
         self._plans: list[NVSHMEMReshapePlan] = []
         self._lock = threading.RLock()
         reach = all(self.my_pe == pe or nv.ptr(self._probe(), pe) for pe in range(nv.n_pes()))
@@ -366,17 +368,50 @@ class NVSHMEMEngine(Engine):
             raise
 
     # -- memory ---------------------------------------------------------------------------------------------
+    # Freed blocks are kept for reuse (a symmetric pool): allocate/free are collective and run in the same order
+    # with the same sizes on every PE, so every PE's pool holds the same blocks and a reused block is symmetric
+    # (same heap offset everywhere). This takes nvshmem_malloc/free (collective, with barriers: milliseconds
+    # when several PEs share a GPU) out of repeated Reshape.execute() calls. DASK_PGAS_NVSHMEM_POOL_BYTES
+    # (default: a quarter of the heap; 0 disables) caps what is kept; it must be the same on every PE.
+    def _pool_limit(self) -> int:
+        value = os.environ.get("DASK_PGAS_NVSHMEM_POOL_BYTES")
+        if value is None or value == "":
+            return parse_size(os.environ.get("NVSHMEM_SYMMETRIC_SIZE")) // 4
+        return parse_size(value)
+
     def allocate(self, nbytes: int) -> Allocation:
-        ptr = self.nv.malloc(nbytes)
         with self._lock:
+            blocks = self._pool.get(nbytes)
+            if blocks:
+                ptr = blocks.pop()
+                self._pool_bytes -= nbytes
+            else:
+                try:
+                    ptr = self.nv.malloc(nbytes)
+                except MemoryError:
+                    if not self._pool_bytes:
+                        raise
+                    self._drain_pool()  # every PE drains at the same point (identical pools)
+                    ptr = self.nv.malloc(nbytes)
             self._allocs[ptr] = nbytes
         return Allocation(nbytes=nbytes, ptr=ptr, handle=ptr)
 
     def free(self, allocation: Allocation) -> None:
+        self.drv.ctx_synchronize()  # like cudaFree: no stream may still use the memory
         with self._lock:
             self._allocs.pop(allocation.handle, None)
-        self.drv.ctx_synchronize()  # like cudaFree: no stream may still use the memory
+            if self._pool_bytes + allocation.nbytes <= self._pool_limit():
+                self._pool.setdefault(allocation.nbytes, []).append(allocation.handle)
+                self._pool_bytes += allocation.nbytes
+                return
         self.nv.free(allocation.handle)
+
+    def _drain_pool(self) -> None:
+        with self._lock:
+            pool, self._pool, self._pool_bytes = self._pool, {}, 0
+        for blocks in pool.values():
+            for ptr in blocks:
+                self.nv.free(ptr)
 
     def as_array(
         self, allocation: Allocation, shape: Sequence[int], dtype: Any, package: str, order: str = "C"
@@ -421,6 +456,7 @@ class NVSHMEMEngine(Engine):
                 "heap_size": parse_size(os.environ.get("NVSHMEM_SYMMETRIC_SIZE")),
                 "heap_bytes_in_use": sum(self._allocs.values()),
                 "heap_allocations": len(self._allocs),
+                "heap_bytes_cached": self._pool_bytes,
             }
 
     # -- reshape --------------------------------------------------------------------------------------------
@@ -435,6 +471,7 @@ class NVSHMEMEngine(Engine):
             plans, self._plans = list(self._plans), []
         for plan in plans:
             plan.free()
+        self._drain_pool()
         if getattr(self, "_probe_buf", 0):
             self.nv.free(self._probe_buf)
             self._probe_buf = 0
@@ -474,12 +511,11 @@ class NVSHMEMReshapePlan(ReshapePlan):
         self.nbytes_in = spec.input_box.size * item
         self.nbytes_out = spec.output_box.size * item
         self.layout = None
-        if all(i == o for i, o in zip(spec.input_boxes, spec.output_boxes)) or all(
-            b.is_empty for b in (*spec.input_boxes, *spec.output_boxes)
-        ):
+        if all(i == o or (i.is_empty and o.is_empty) for i, o in zip(spec.input_boxes, spec.output_boxes)):
             # every rank keeps its box (or there is nothing at all): a local copy, no collective; cuFFTMp
             # refuses to execute a reshape of an empty domain (CUFFT_INVALID_VALUE, seen on the H200)
             self.mode = "copy"
+            _trace(spec.rank, f"plan mode=copy in={spec.input_box} out={spec.output_box}")
             return
         reason = None
         try:
@@ -496,8 +532,26 @@ class NVSHMEMReshapePlan(ReshapePlan):
                 (reason or "cuFFTMp does not accept boxes that are empty on some ranks")
                 + " (and the peer-copy fallback needs every PE's heap mapped, i.e. one node)"
             )
+        error = None
         if self.mode == "cufftmp":
-            self._make_cufftmp()
+            try:
+                self._make_cufftmp()
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                error = f"{type(exc).__name__}: {exc}"
+        errors = engine.control.allgather(error)
+        _trace(spec.rank, f"plan mode={self.mode} in={spec.input_box} out={spec.output_box} "
+                          f"word={self.layout.word_size if self.layout else None}")
+        bad = [(r, e) for r, e in enumerate(errors) if e]
+        if bad:
+            self._handle = 0  # Make failed somewhere: a collective Destroy could hang, so the handle is left
+            self.free()
+            raise CollectiveError(f"planning the cuFFTMp reshape failed on rank {bad[0][0]}: {bad[0][1]}")
+        if self.mode == "cufftmp":
+            ws = max(engine.control.allgather(getattr(self, "_ws_local", 0)))
+            if ws:
+                self._workspace = engine.nv.malloc(ws)
+                with engine._lock:
+                    engine._allocs[self._workspace] = ws
 
     def _make_cufftmp(self) -> None:
         from ..bindings import cufftmp
@@ -509,11 +563,9 @@ class NVSHMEMReshapePlan(ReshapePlan):
         self._cf = cf
         self._handle = cf.create()
         cf.make(self._handle, lay.word_size, lo_i, up_i, st_i, lo_o, up_o, st_o)
-        ws = max(self.engine.control.allgather(cf.workspace_size(self._handle)))
-        if ws:
-            self._workspace = self.engine.nv.malloc(ws)
-            with self.engine._lock:
-                self.engine._allocs[self._workspace] = ws
+        ws = cf.workspace_size(self._handle)
+        if ws:  # in practice 0; a rank needing one makes every rank allocate the same size below
+            self._ws_local = ws
 
     # -- execution ------------------------------------------------------------------------------------------
     def _staging(self) -> tuple[int, int]:
@@ -539,11 +591,19 @@ class NVSHMEMReshapePlan(ReshapePlan):
             return
         drv = self.engine.drv
         s_in, s_out = self._staging()
-        drv.memcpy(s_in, _ptr(src), self.nbytes_in)
-        drv.stream_synchronize(0)
-        self._run(s_in, s_out, 0, True)
-        drv.stream_synchronize(0)
-        drv.memcpy(_ptr(dst), s_out, self.nbytes_out)
+        error = None
+        try:
+            _trace(self.spec.rank, f"execute (host operands) mode={self.mode}")
+            drv.memcpy(s_in, _ptr(src), self.nbytes_in)
+            drv.stream_synchronize(0)
+            self._run(s_in, s_out, 0, True)
+            drv.stream_synchronize(0)
+            drv.memcpy(_ptr(dst), s_out, self.nbytes_out)
+        except Exception as exc:  # noqa: BLE001 - host operands block anyway: agree on the outcome
+            error = f"{type(exc).__name__}: {exc}"
+        bad = [(r, e) for r, e in enumerate(self.engine.control.allgather(error)) if e]
+        if bad:
+            raise CollectiveError(f"the reshape failed on rank {bad[0][0]}: {bad[0][1]}")
 
     def _run(self, src: int, dst: int, stream: int, sync: bool) -> None:
         if self.mode == "copy":
@@ -605,6 +665,12 @@ class NVSHMEMReshapePlan(ReshapePlan):
             for a in self._stage:
                 eng.free(a)
             self._stage = None
+
+
+def _trace(rank: int, msg: str) -> None:
+    """``DASK_PGAS_NVSHMEM_TRACE=1``: one line per plan and host execution on stderr (diagnosing hangs)."""
+    if os.environ.get("DASK_PGAS_NVSHMEM_TRACE") == "1":
+        print(f"[dask_pgas nvshmem pe {rank}] {msg}", file=sys.stderr, flush=True)
 
 
 def _empty_via_peer() -> bool:

@@ -259,3 +259,124 @@ def test_layout_is_byte_exact_against_numpy():
             want = np.asarray(glob[outs[r].relative_to(Box((0,) * len(shape), shape))], order=order)
             want_bytes = (want if order == "C" else want.T).tobytes() if want.size else b""
             assert np.ascontiguousarray(got).tobytes() == want_bytes, (shape, ax_in, ax_out, dtype, order, n, r)
+
+
+# -- engine logic with fake NVSHMEM/CUDA objects (no GPU) ----------------------------------------------------
+class _FakeNV:
+    def __init__(self):
+        self.next, self.live, self.calls = 4096, {}, []
+
+    def malloc(self, n):
+        if sum(self.live.values()) + max(n, 1) > 1 << 20:
+            raise MemoryError("full")
+        ptr, self.next = self.next, self.next + max(n, 1) + 256
+        self.live[ptr] = max(n, 1)
+        self.calls.append(("malloc", n))
+        return ptr
+
+    def free(self, ptr):
+        del self.live[ptr]
+        self.calls.append(("free", ptr))
+
+    def my_pe(self):
+        return 0
+
+    def n_pes(self):
+        return 1
+
+    def ptr(self, p, pe):
+        return p
+
+
+class _FakeDrv:
+    def ctx_synchronize(self):
+        pass
+
+
+class _FakeControl:
+    rank, size = 0, 1
+
+    def allgather(self, obj):
+        return [obj]
+
+
+def _fake_engine(monkeypatch, pool_bytes=None):
+    import threading
+
+    from dask_pgas.engines.nvshmem import NVSHMEMEngine
+
+    if pool_bytes is None:
+        monkeypatch.delenv("DASK_PGAS_NVSHMEM_POOL_BYTES", raising=False)
+    else:
+        monkeypatch.setenv("DASK_PGAS_NVSHMEM_POOL_BYTES", str(pool_bytes))
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "4m")
+    eng = NVSHMEMEngine.__new__(NVSHMEMEngine)
+    eng.nv, eng.drv, eng.control, eng.device, eng.my_pe, eng.status = _FakeNV(), _FakeDrv(), _FakeControl(), 0, 0, 2
+    eng._allocs, eng._pool, eng._pool_bytes, eng._plans, eng._lock = {}, {}, 0, [], threading.RLock()
+    eng.peers_mapped = True
+    return eng
+
+
+def test_symmetric_pool_reuses_blocks(monkeypatch):
+    eng = _fake_engine(monkeypatch)
+    a = eng.allocate(1000)
+    eng.free(a)
+    assert eng.heap_info()["heap_bytes_cached"] == 1000 and eng.heap_info()["heap_allocations"] == 0
+    b = eng.allocate(1000)
+    assert b.ptr == a.ptr and [c for c in eng.nv.calls if c[0] == "malloc"] == [("malloc", 1000)]
+    c = eng.allocate(2000)
+    assert c.ptr != a.ptr
+    eng.free(b)
+    eng.free(c)
+    eng._drain_pool()
+    assert not eng.nv.live and eng.heap_info()["heap_bytes_cached"] == 0
+
+
+def test_symmetric_pool_disabled_and_drained_when_full(monkeypatch):
+    eng = _fake_engine(monkeypatch, pool_bytes=0)
+    a = eng.allocate(100)
+    eng.free(a)
+    assert not eng.nv.live and eng.heap_info()["heap_bytes_cached"] == 0
+    eng = _fake_engine(monkeypatch, pool_bytes=1 << 20)
+    blocks = [eng.allocate(300_000) for _ in range(3)]
+    for blk in blocks:
+        eng.free(blk)
+    assert eng.heap_info()["heap_bytes_cached"] == 900_000
+    big = eng.allocate(500_000)  # does not fit beside the cached blocks: the pool is drained first
+    assert eng.heap_info()["heap_bytes_cached"] == 0 and list(eng.nv.live.values()) == [500_000]
+    eng.free(big)
+
+
+@pytest.mark.parametrize(
+    "ins,outs,itemsize,mode",
+    [
+        ([Box((0, 0), (4, 4)), Box((4, 0), (4, 4))], [Box((0, 0), (4, 4)), Box((0, 0), (0, 0))], 8, "copy"),
+        ([Box((0, 0), (0, 5)), Box((0, 0), (0, 5))], [Box((0, 0), (0, 2)), Box((0, 2), (0, 5))], 4, "copy"),
+        ([Box((0, 0), (4, 2)), Box((0, 2), (4, 4))], [Box((0, 0), (2, 4)), Box((2, 0), (4, 4))], 8, "cufftmp"),
+        ([Box((0, 0), (4, 3)), Box((0, 3), (4, 5))], [Box((0, 0), (2, 5)), Box((2, 0), (4, 5))], 1, "peer"),
+    ],
+)
+def test_plan_mode_decisions(monkeypatch, ins, outs, itemsize, mode):
+    from dask_pgas.engines import nvshmem as eng_mod
+    from dask_pgas.engines.base import ReshapeSpec
+
+    eng = _fake_engine(monkeypatch)
+    eng.control = type("C", (), {"rank": 0, "size": 2, "allgather": lambda self, o: [o, o]})()
+    monkeypatch.setattr(eng_mod.NVSHMEMReshapePlan, "_make_cufftmp", lambda self: None)
+    monkeypatch.delenv("DASK_PGAS_NVSHMEM_RESHAPE", raising=False)
+    spec = ReshapeSpec(tuple(ins), tuple(outs), np.dtype(f"V{itemsize}"), "C", 0)
+    plan = eng.plan_reshape(spec)
+    assert plan.mode == mode
+
+
+def test_unpackable_without_peer_access_is_a_clear_error(monkeypatch):
+    from dask_pgas.engines.base import ReshapeSpec
+    from dask_pgas.errors import UnsupportedOperandError
+
+    eng = _fake_engine(monkeypatch)
+    eng.peers_mapped = False
+    eng.control = type("C", (), {"rank": 0, "size": 2, "allgather": lambda self, o: [o, o]})()
+    ins = (Box((0, 0), (4, 3)), Box((0, 3), (4, 5)))
+    outs = (Box((0, 0), (2, 5)), Box((2, 0), (4, 5)))
+    with pytest.raises(UnsupportedOperandError, match="cannot be packed"):
+        eng.plan_reshape(ReshapeSpec(ins, outs, np.dtype("i1"), "C", 0))
