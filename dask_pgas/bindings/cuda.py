@@ -69,19 +69,34 @@ class CudaDriver:
         ctx = ctypes.c_void_p()
         self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
         self.check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        self._ctx = ctx
+
+    def _ensure_context(self) -> None:
+        """Driver calls need a current context in the calling thread (a Dask worker may call from another thread
+        than the one that initialized): make the engine's primary context current where none is."""
+        ctx = getattr(self, "_ctx", None)
+        if ctx is None:
+            return
+        cur = ctypes.c_void_p()
+        if self.lib.cuCtxGetCurrent(ctypes.byref(cur)) == 0 and not cur.value:
+            self.check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
     def memcpy(self, dst: int, src: int, nbytes: int) -> None:
         if nbytes:
+            self._ensure_context()
             self.check(self.lib.cuMemcpy(dst, src, nbytes), "cuMemcpy")
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         if nbytes:
+            self._ensure_context()
             self.check(self.lib.cuMemcpyAsync(dst, src, nbytes, ctypes.c_void_p(stream or None)), "cuMemcpyAsync")
 
     def ctx_synchronize(self) -> None:
+        self._ensure_context()
         self.check(self.lib.cuCtxSynchronize(), "cuCtxSynchronize")
 
     def stream_synchronize(self, stream: int) -> None:
+        self._ensure_context()
         self.check(self.lib.cuStreamSynchronize(ctypes.c_void_p(stream or None)), "cuStreamSynchronize")
 
 
