@@ -175,19 +175,26 @@ class _StreamContext:
         self._ctx = None
 
     def __enter__(self):
+        # the engine's device too: a thread other than the initializing one starts on device 0
         if importlib.util.find_spec("cupy") is not None:
             import cupy
 
+            self._dev = cupy.cuda.Device(self.device)
             self._ctx = cupy.cuda.ExternalStream(self.handle, device_id=self.device)
         else:
             import torch
 
+            self._dev = torch.cuda.device(self.device)
             self._ctx = torch.cuda.stream(torch.cuda.ExternalStream(self.handle, device=f"cuda:{self.device}"))
+        self._dev.__enter__()
         self._ctx.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self._ctx.__exit__(*exc)
+        try:
+            self._ctx.__exit__(*exc)
+        finally:
+            self._dev.__exit__(*exc)
 
 
 def _copy(dst: Any, src: Any) -> None:
