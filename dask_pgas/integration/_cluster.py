@@ -61,6 +61,7 @@ class LocalMPICluster:
         env: dict[str, str] | None = None,
         timeout: float = 120.0,
         restart_workers: bool = True,
+        gpus: int = 0,
     ) -> None:
         self.n_workers = n_workers
         self.status = Status.created
@@ -68,6 +69,8 @@ class LocalMPICluster:
         self.scheduler_file = os.path.join(self._dir, "scheduler.json")
         self._env = {**os.environ, **(env or {})}
         self._env.setdefault("PYTHONUNBUFFERED", "1")
+        if gpus:  # worker k sees only GPU (node-local rank k mod gpus), as its device 0
+            self._env["DASK_PGAS_BIND_GPUS"] = str(gpus)
         self._procs: list[subprocess.Popen] = []
         self._logs: list = []
         try:

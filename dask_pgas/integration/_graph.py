@@ -1,8 +1,10 @@
-"""The task graph of one pgas rechunk: P transfer tasks, one barrier, one output task per output chunk.
+"""The task graph of one pgas rechunk: per PE a transfer and a barrier task, one output task per output chunk.
 
-Transfer and output tasks are :class:`PinnedTask` (a ``Task`` subclass that blocks fusion and carries its PE);
-the scheduler plugin pins them to the PE's worker in ``update_graph``. Nothing here waits for peers: the
-barrier asks the scheduler to run the collective and returns when every PE has finished it.
+All are :class:`PinnedTask` (a ``Task`` subclass that blocks fusion and carries its PE); the scheduler plugin
+pins them to the PE's worker in ``update_graph``. Transfer tasks only stage references. Every barrier task
+depends on all transfer tasks, so it runs once the collective has been started (the scheduler starts it the
+moment the last transfer task is in memory, see ``_scheduler_plugin``): it only waits for that running
+collective and hands its result to the output tasks of its PE, which therefore need no data from elsewhere.
 """
 
 from __future__ import annotations
@@ -42,12 +44,10 @@ class PinnedTask(Task):
         return f"PinnedTask({self.key!r}, pe={self.pe})"
 
 
-class BarrierTask(Task):
-    __slots__ = ()
+class BarrierTask(PinnedTask):
+    """The barrier of one PE (the scheduler plugin can fail it when a PE is lost)."""
 
-    @property
-    def block_fusion(self) -> bool:
-        return True
+    __slots__ = ()
 
 
 def transfer(name: str, pe: int, epoch: int, spec: RunSpec, pieces: tuple, *arrays: Any) -> int:
@@ -56,8 +56,8 @@ def transfer(name: str, pe: int, epoch: int, spec: RunSpec, pieces: tuple, *arra
     return pe
 
 
-def barrier(name: str, epoch: int, *transfers: int) -> int:
-    """Ask the scheduler to run the collective of ``name`` on every PE, in the global order; wait for it."""
+def barrier(name: str, pe: int, epoch: int, *transfers: int) -> int:
+    """Wait for the collective of ``name`` (already started by the scheduler, or started now), on PE ``pe``."""
     from distributed import get_worker
     from distributed.utils import sync
 
@@ -86,6 +86,7 @@ def build_graph(x, plan, name: str, epoch: int, spec: RunSpec) -> dict:
 
     token = name[len("pgas-rechunk-"):]
     tname, bname = f"pgas-transfer-{token}", f"pgas-barrier-{token}"
+    transfers = [TaskRef((tname, pe)) for pe in range(plan.npes)]
     dsk: dict = {}
     for pe, pieces in enumerate(plan.inputs):
         key = (tname, pe)
@@ -93,14 +94,15 @@ def build_graph(x, plan, name: str, epoch: int, spec: RunSpec) -> dict:
         slices = tuple((p.chunk_slices, p.box_slices) for p in pieces)
         dsk[key] = PinnedTask(key, transfer, name, pe, epoch, spec, slices, *refs, pe=pe, epoch=epoch,
                                  npes=plan.npes)
-    dsk[bname] = BarrierTask(bname, barrier, name, epoch, *(TaskRef((tname, pe)) for pe in range(plan.npes)))
+        dsk[(bname, pe)] = BarrierTask((bname, pe), barrier, name, pe, epoch, *transfers, pe=pe, epoch=epoch,
+                                       npes=plan.npes)
     done = set()
     for pe, pieces in enumerate(plan.outputs):
         box = plan.output_boxes[pe]
         for p in pieces:
             key = (name, *p.index)
             whole = tuple(s.stop - s.start for s in p.box_slices) == box.shape
-            dsk[key] = PinnedTask(key, output, name, pe, epoch, p.box_slices, whole, TaskRef(bname),
+            dsk[key] = PinnedTask(key, output, name, pe, epoch, p.box_slices, whole, TaskRef((bname, pe)),
                                   pe=pe, epoch=epoch, npes=plan.npes)
             done.add(p.index)
     for index in np.ndindex(*(len(c) for c in plan.chunks_out)):

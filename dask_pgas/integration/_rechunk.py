@@ -2,25 +2,23 @@
 
 ::
 
-    input chunks (anywhere)          P PEs (one per worker)                      output chunks (on owners)
-    ─────────────────────           ───────────────────────────────────         ──────────────────────────
-    x[0,0] x[0,1] ──┐                transfer(pe) pinned to PE's worker:
-    x[1,0] x[1,1] ──┼──► (Dask moves   stage refs to the chunks of the
-       ...          │     only chunks  PE's input Box (chunk-aligned,
-                    │     not already  owner-aware: placed data stays)
-                    │     on the PE)          │ x P
-                    │                         ▼
-                    │                barrier ──RPC──► scheduler: run id + global seq
-                    │                         │          │ pgas_start(seq) to every PE
-                    │                         │          ▼
-                    │                         │   collective thread (one per worker, in seq order):
-                    │                         │     pack chunks → symmetric input buffer (zero copy
-                    │                         │     when one C-contiguous chunk IS the box)
-                    │                         │     plan.execute: ONE Alltoallw / NVSHMEM reshape
-                    │                         │     input Box[pe] ─────────► output Box[pe]
-                    │                         │     (watchdog: pgas.collective-timeout)
-                    │                         ▼ returns when every PE is done
-                    └──────────────► output(chunk) pinned to owner: slice of the PE's output Box ──► y[i,j]
+    input chunks (anywhere)        per PE (one per worker), pinned there             output chunks (on owners)
+    ───────────────────────        ──────────────────────────────────────           ─────────────────────────
+    x[0,0] x[0,1] ──┐
+    x[1,0] x[1,1] ──┼─► transfer(pe): refs to the chunks of the PE's input Box (Dask moves only
+       ...          │   chunks not already there: boxes are chunk-aligned and owner-aware)
+                    │          │ x P
+                    │          │ the last one in memory ──► scheduler plugin: run id + global seq,
+                    │          │                            pgas_start(seq) to every PE ─┐
+                    │          ▼                                                         ▼
+                    │   collective thread (one per worker, runs in seq order; not a task slot):
+                    │     pack chunks -> symmetric input buffer (zero copy when one chunk IS the box)
+                    │     plan.execute: ONE Alltoallw / NVSHMEM reshape   input Box[pe] ──► output Box[pe]
+                    │     (watchdog: pgas.collective-timeout; a lost PE fails the run at once)
+                    │          │
+                    │   barrier(pe) <- all transfer(*) : waits for that run's result (already started)
+                    │          │
+                    └─────► output(chunk) <- barrier(pe): slice of the PE's output Box ──────────► y[i,j]
 
 Planning (``dask_pgas.geometry.chunks``) turns the input grid into one input Box per PE and the output grid
 into one chunk-aligned output Box per PE; the scheduler plugin pins tasks, orders collectives and fails them
@@ -87,33 +85,24 @@ def _normalize(x, chunks, block_size_limit, balance):
     return chunks
 
 
-def _world(client) -> dict | None:
+def _world(client, x=None) -> dict | None:
+    """The cluster's world and, for ``x``, where its chunks already are (input chunk index -> PE)."""
+    keys = None
+    if x is not None:
+        with _owners_lock:
+            known = _owners.get(x.name)
+        if known is None and x.npartitions <= 200_000:
+            keys = list(dask.core.flatten(x.__dask_keys__()))
     try:
-        return client.sync(client.scheduler.pgas_world)
+        world = client.sync(client.scheduler.pgas_world, keys=keys)
     except Exception:  # the scheduler plugin is not registered
         return None
-
-
-def _input_locations(client, x, world: dict) -> dict:
-    """Input chunk index -> PE for chunks already in memory on a PE (or produced by an earlier pgas rechunk)."""
-    with _owners_lock:
-        known = _owners.get(x.name)
-    if known is not None:
-        return known
-    if x.npartitions > 200_000:
-        return {}
-    pe_of = {addr: pe for pe, addr in enumerate(world["workers"])}
-    keys = [k for k in dask.core.flatten(x.__dask_keys__())]
-    try:
-        who_has = client.sync(client.scheduler.who_has, keys=keys)
-    except Exception:  # pragma: no cover - older/newer client API
-        return {}
-    out = {}
-    for key, holders in who_has.items():
-        pes = [pe_of[h] for h in holders if h in pe_of]
-        if pes:
-            out[tuple(key[1:])] = pes[0]
-    return out
+    if x is not None:
+        if known is not None:
+            world["locations"] = known
+        else:
+            world["locations"] = {tuple(key[1:]): pe for key, pe in world.get("locations", ())}
+    return world
 
 
 def rechunk(
@@ -122,6 +111,7 @@ def rechunk(
     threshold: int | None = None,
     block_size_limit: int | None = None,
     balance: bool = False,
+    method: str | None = None,
     *,
     client=None,
     _delay: float = 0.0,
@@ -129,7 +119,7 @@ def rechunk(
     """Rechunk ``x`` like ``x.rechunk(chunks, ...)``, moving the data in ONE collective reshape.
 
     Accepts every ``chunks`` form of :meth:`dask.array.Array.rechunk` (ints, tuples, dict by axis, ``-1``,
-    ``None``, ``"auto"``, ``balance``). Lazy: returns a Dask array; the collective runs when it is computed.
+    ``None``, ``"auto"``, ``balance``; ``method`` other than ``"pgas"`` goes to Dask's rechunk). Lazy: returns a Dask array; the collective runs when it is computed.
     Needs a PGAS world on the cluster of ``client`` (default: the current client), see
     :func:`dask_pgas.bootstrap`. Unsupported cases follow config ``pgas.fallback``.
     """
@@ -142,6 +132,8 @@ def rechunk(
     from ._graph import build_graph
 
     args = (threshold, block_size_limit, balance)
+    if method not in (None, "pgas"):  # same signature as Array.rechunk: other methods are Dask's
+        return _original_rechunk()(x, chunks, *args, method=method)
     if not isinstance(x, da.Array) or dask.config.get("array.query-planning", False):
         return _fallback(x, chunks, "array-expression mode (array.query-planning) is not supported",
                          "Disable it with dask.config.set({'array.query-planning': False}).", *args)
@@ -170,7 +162,7 @@ def rechunk(
             return _fallback(x, chunks, "there is no Dask distributed client",
                              "Start one on a cluster with a PGAS world (dask_pgas.LocalMPICluster + "
                              "dask_pgas.bootstrap(client)).", *args)
-    world = _world(client)
+    world = _world(client, x)
     if not world or not world["workers"]:
         return _fallback(x, chunks, "the cluster has no PGAS world", "Call dask_pgas.bootstrap(client).", *args)
     if world["broken"]:
@@ -184,8 +176,7 @@ def rechunk(
                          "Bootstrap with backends=['nvshmem', 'mpi'] or use CuPy chunks (x.map_blocks(cupy.asarray)).",
                          *args)
     npes = len(world["workers"])
-    locations = _input_locations(client, x, world)
-    plan = plan_chunks(x.chunks, chunks, npes, locations)
+    plan = plan_chunks(x.chunks, chunks, npes, world["locations"])
     spec = RunSpec(plan.input_boxes, plan.output_boxes, x.dtype.str, package, float(_delay))
     token = tokenize(x, chunks, "pgas", world["epoch"], npes, spec)
     name = f"pgas-rechunk-{token}"

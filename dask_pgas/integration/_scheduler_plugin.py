@@ -4,9 +4,10 @@
   (a workers-only communicator, or an NVSHMEM unique id made on PE 0 and handed to all);
 * ``update_graph`` pins transfer and output tasks of pgas rechunks to their PE's worker
   (``worker_restrictions``, ``loose_restrictions=False``) before the scheduler transitions them;
-* ``pgas_barrier`` (called by a barrier task) numbers the run and tells every member to run it; members run
-  collectives strictly in that order on their collective thread. A watchdog fails the run when it does not end
-  within ``pgas.collective-timeout``;
+* the ``transition`` hook starts a run the moment the last transfer task of a rechunk is in memory: it numbers
+  the run and tells every member to run it; members run collectives strictly in that order on their collective
+  thread. ``pgas_barrier`` (called by the barrier task of each PE) returns the run's result (starting the run
+  if needed). A watchdog fails the run when it does not end within ``pgas.collective-timeout``;
 * ``remove_worker`` fails in-flight runs at once, marks the world broken and errs tasks pinned to the lost
   worker (they could never run); ``valid_workers_downscaling`` keeps members from being retired.
 """
@@ -57,7 +58,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         self._pinned: dict[Any, str] = {}  # key -> worker address
         self._barriers: set = set()  # barrier keys of graphs on this scheduler
         self._ready: dict[str, set] = {}  # run name -> PEs whose transfer task is in memory
-        self._finished: dict[str, dict] = {}  # run name -> result, until its barrier task asks
+        self._finished: dict[str, dict] = {}  # run name -> result of its last run (for its barrier tasks)
         self._lock: asyncio.Lock | None = None
 
     async def start(self, scheduler) -> None:
@@ -105,8 +106,16 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             "active_runs": sorted(self._runs),
         }
 
-    async def describe_world(self, detail: bool = False) -> dict:
+    async def describe_world(self, detail: bool = False, keys: list | None = None) -> dict:
         out = self._describe()
+        if keys is not None:  # where these keys are in memory, as PEs (one round trip for rechunk planning)
+            pe_of = {w: pe for pe, w in enumerate(self.world)}
+            out["locations"] = []
+            for key in keys:
+                ts = self.scheduler.tasks.get(key if not isinstance(key, list) else tuple(key))
+                pes = [pe_of[ws.address] for ws in (ts.who_has or ()) if ws.address in pe_of] if ts else []
+                if pes:
+                    out["locations"].append((key, min(pes)))
         if detail and self.world:
             alive = [w for w in self.world if w in self.scheduler.workers]
             infos = await self._call(alive, "pgas_info", timeout=10)
@@ -228,12 +237,10 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         hook already started it when the last transfer task finished)."""
         run = self._runs.get(name)
         if run is None:
-            if name in self._finished:
-                return self._finished.pop(name)
+            if name in self._finished:  # kept for the P barrier tasks until the run starts again
+                return self._finished[name]
             run = self._start(name, epoch)
-        result = await asyncio.shield(run.task)
-        self._finished.pop(name, None)
-        return result
+        return await asyncio.shield(run.task)
 
     def _start(self, name: str, epoch: int) -> _Run:
         """Number the run of ``name`` and tell every member to run it (all transfer tasks are done)."""
@@ -263,7 +270,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         finally:
             self._runs.pop(name, None)
         self._finished[name] = result
-        while len(self._finished) > 1000:  # results nobody asked for (a barrier that was never run)
+        while len(self._finished) > 1000:  # small dicts; the oldest go first
             self._finished.pop(next(iter(self._finished)))
         return result
 
@@ -338,7 +345,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
 
         for key in tasks:
             ts = scheduler.tasks.get(key)
-            if ts is not None and isinstance(ts.run_spec, BarrierTask):
+            if ts is not None and isinstance(ts.run_spec, BarrierTask) and ts.run_spec.epoch == self.epoch:
                 self._barriers.add(key)
             if ts is None or not isinstance(ts.run_spec, PinnedTask):
                 continue
@@ -370,19 +377,19 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         if finish == "forgotten":
             self._pinned.pop(key, None)
             self._barriers.discard(key)
-        if finish in ("released", "forgotten") and isinstance(key, str) and key.startswith("pgas-barrier-"):
-            name = "pgas-rechunk-" + key[len("pgas-barrier-"):]
-            self._ready.pop(name, None)
-            self._finished.pop(name, None)
-            msgs = {w: [{"op": "pgas-forget", "name": name}] for w in self.world if w in self.scheduler.workers}
-            if msgs:
-                self.scheduler.send_all({}, msgs)
+        if (finish in ("released", "forgotten") and type(key) is tuple and len(key) == 2
+                and isinstance(key[0], str) and key[0].startswith("pgas-barrier-")):
+            # every output task of this PE is done with the PE's result: the worker can drop it
+            name = "pgas-rechunk-" + key[0][len("pgas-barrier-"):]
+            pe = key[1]
+            if 0 <= pe < len(self.world) and self.world[pe] in self.scheduler.workers:
+                self.scheduler.send_all({}, {self.world[pe]: [{"op": "pgas-forget", "name": name}]})
 
     def remove_worker(self, scheduler, worker: str, *, stimulus_id: str, **kwargs) -> None:
-        if worker not in self.world or self.broken:
+        if worker not in self.world:
             return
         self._break(f"worker {worker} (PE {self.world.index(worker)}) left the PGAS world")
-        exc = PGASWorldError(self.broken)
+        exc = PGASWorldError(self.broken)  # every member's removal re-checks: tasks may have moved meanwhile
         recs: dict = {}
         for key, addr in list(self._pinned.items()):
             ts = scheduler.tasks.get(key)

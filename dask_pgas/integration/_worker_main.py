@@ -24,6 +24,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from distributed import Worker
+    gpus = int(os.environ.get("DASK_PGAS_BIND_GPUS", "0") or 0)
+    if gpus:  # one GPU per worker, chosen by node-local rank, before anything starts CUDA
+        local = int(os.environ.get("MPI_LOCALRANKID", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(local % gpus)
+
     from mpi4py import MPI  # initializes MPI in this (main) thread
 
     rank = MPI.COMM_WORLD.Get_rank()

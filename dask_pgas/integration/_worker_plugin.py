@@ -427,8 +427,7 @@ class PGASWorkerPlugin(WorkerPlugin):
         from .. import runtime
 
         staged = self._staged.pop(name, None)
-        engines = runtime._require()
-        control = next(iter(engines.values())).control
+        control = runtime.get_engine(runtime.initialized_backends()[0]).control
         local_error = None
         if self.broken:
             local_error = self.broken

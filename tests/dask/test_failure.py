@@ -71,7 +71,7 @@ def test_teardown_kill_and_close(capfd):
             with pytest.raises(PGASRechunkUnsupported, match="broken"):
                 dask_pgas.rechunk(x, (50, 300))
             # the local cluster replaces the MPI job (MPICH takes every rank down with the one that died)
-            client.wait_for_workers(3, timeout=60)
+            client.wait_for_workers(3, timeout=120)
             pids += cluster.worker_pids()
             assert dask_pgas.world(client).broken
             # the input stays computable
