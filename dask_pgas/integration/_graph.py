@@ -1,10 +1,12 @@
-"""The task graph of one pgas rechunk: per PE a transfer and a barrier task, one output task per output chunk.
+"""The task graph of one pgas rechunk: P transfer tasks, one barrier, one output task per output chunk.
 
-All are :class:`PinnedTask` (a ``Task`` subclass that blocks fusion and carries its PE); the scheduler plugin
-pins them to the PE's worker in ``update_graph``. Transfer tasks only stage references. Every barrier task
-depends on all transfer tasks, so it runs once the collective has been started (the scheduler starts it the
-moment the last transfer task is in memory, see ``_scheduler_plugin``): it only waits for that running
-collective and hands its result to the output tasks of its PE, which therefore need no data from elsewhere.
+Transfer and output tasks are :class:`PinnedTask` (a ``Task`` subclass that blocks fusion and carries its PE);
+the scheduler plugin pins them to the PE's worker in ``update_graph``. Transfer tasks only stage references.
+The scheduler starts the collective the moment the last transfer task is in memory (see ``_scheduler_plugin``);
+the barrier task, which depends on all transfer tasks, then only waits for that running collective.
+
+(One barrier per PE, so that output tasks need no data from another worker, was tried: its P x P small
+fetches cost more than the one fetch per output worker they save, on 2 cores: S1 0.177 s instead of 0.162 s.)
 """
 
 from __future__ import annotations
@@ -44,10 +46,12 @@ class PinnedTask(Task):
         return f"PinnedTask({self.key!r}, pe={self.pe})"
 
 
-class BarrierTask(PinnedTask):
-    """The barrier of one PE (the scheduler plugin can fail it when a PE is lost)."""
-
+class BarrierTask(Task):
     __slots__ = ()
+
+    @property
+    def block_fusion(self) -> bool:
+        return True
 
 
 def transfer(name: str, pe: int, epoch: int, spec: RunSpec, pieces: tuple, *arrays: Any) -> int:
@@ -56,8 +60,8 @@ def transfer(name: str, pe: int, epoch: int, spec: RunSpec, pieces: tuple, *arra
     return pe
 
 
-def barrier(name: str, pe: int, epoch: int, *transfers: int) -> int:
-    """Wait for the collective of ``name`` (already started by the scheduler, or started now), on PE ``pe``."""
+def barrier(name: str, epoch: int, *transfers: int) -> int:
+    """Ask the scheduler to run the collective of ``name`` on every PE, in the global order; wait for it."""
     from distributed import get_worker
     from distributed.utils import sync
 
@@ -86,7 +90,6 @@ def build_graph(x, plan, name: str, epoch: int, spec: RunSpec) -> dict:
 
     token = name[len("pgas-rechunk-"):]
     tname, bname = f"pgas-transfer-{token}", f"pgas-barrier-{token}"
-    transfers = [TaskRef((tname, pe)) for pe in range(plan.npes)]
     dsk: dict = {}
     for pe, pieces in enumerate(plan.inputs):
         key = (tname, pe)
@@ -94,15 +97,14 @@ def build_graph(x, plan, name: str, epoch: int, spec: RunSpec) -> dict:
         slices = tuple((p.chunk_slices, p.box_slices) for p in pieces)
         dsk[key] = PinnedTask(key, transfer, name, pe, epoch, spec, slices, *refs, pe=pe, epoch=epoch,
                                  npes=plan.npes)
-        dsk[(bname, pe)] = BarrierTask((bname, pe), barrier, name, pe, epoch, *transfers, pe=pe, epoch=epoch,
-                                       npes=plan.npes)
+    dsk[bname] = BarrierTask(bname, barrier, name, epoch, *(TaskRef((tname, pe)) for pe in range(plan.npes)))
     done = set()
     for pe, pieces in enumerate(plan.outputs):
         box = plan.output_boxes[pe]
         for p in pieces:
             key = (name, *p.index)
             whole = tuple(s.stop - s.start for s in p.box_slices) == box.shape
-            dsk[key] = PinnedTask(key, output, name, pe, epoch, p.box_slices, whole, TaskRef((bname, pe)),
+            dsk[key] = PinnedTask(key, output, name, pe, epoch, p.box_slices, whole, TaskRef(bname),
                                   pe=pe, epoch=epoch, npes=plan.npes)
             done.add(p.index)
     for index in np.ndindex(*(len(c) for c in plan.chunks_out)):

@@ -16,9 +16,9 @@
                     │     plan.execute: ONE Alltoallw / NVSHMEM reshape   input Box[pe] ──► output Box[pe]
                     │     (watchdog: pgas.collective-timeout; a lost PE fails the run at once)
                     │          │
-                    │   barrier(pe) <- all transfer(*) : waits for that run's result (already started)
+                    │   barrier <- all transfer(*): waits for that run's result (already started)
                     │          │
-                    └─────► output(chunk) <- barrier(pe): slice of the PE's output Box ──────────► y[i,j]
+                    └─────► output(chunk) <- barrier, pinned to its owner: slice of the output Box ──► y[i,j]
 
 Planning (``dask_pgas.geometry.chunks``) turns the input grid into one input Box per PE and the output grid
 into one chunk-aligned output Box per PE; the scheduler plugin pins tasks, orders collectives and fails them
@@ -119,7 +119,8 @@ def rechunk(
     """Rechunk ``x`` like ``x.rechunk(chunks, ...)``, moving the data in ONE collective reshape.
 
     Accepts every ``chunks`` form of :meth:`dask.array.Array.rechunk` (ints, tuples, dict by axis, ``-1``,
-    ``None``, ``"auto"``, ``balance``; ``method`` other than ``"pgas"`` goes to Dask's rechunk). Lazy: returns a Dask array; the collective runs when it is computed.
+    ``None``, ``"auto"``, ``balance``; a ``method`` other than ``"pgas"`` goes to Dask's own rechunk).
+    Lazy: returns a Dask array; the collective runs when it is computed.
     Needs a PGAS world on the cluster of ``client`` (default: the current client), see
     :func:`dask_pgas.bootstrap`. Unsupported cases follow config ``pgas.fallback``.
     """

@@ -6,7 +6,7 @@
   (``worker_restrictions``, ``loose_restrictions=False``) before the scheduler transitions them;
 * the ``transition`` hook starts a run the moment the last transfer task of a rechunk is in memory: it numbers
   the run and tells every member to run it; members run collectives strictly in that order on their collective
-  thread. ``pgas_barrier`` (called by the barrier task of each PE) returns the run's result (starting the run
+  thread. ``pgas_barrier`` (called by the barrier task) returns the run's result (starting the run
   if needed). A watchdog fails the run when it does not end within ``pgas.collective-timeout``;
 * ``remove_worker`` fails in-flight runs at once, marks the world broken and errs tasks pinned to the lost
   worker (they could never run); ``valid_workers_downscaling`` keeps members from being retired.
@@ -345,7 +345,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
 
         for key in tasks:
             ts = scheduler.tasks.get(key)
-            if ts is not None and isinstance(ts.run_spec, BarrierTask) and ts.run_spec.epoch == self.epoch:
+            if ts is not None and isinstance(ts.run_spec, BarrierTask):
                 self._barriers.add(key)
             if ts is None or not isinstance(ts.run_spec, PinnedTask):
                 continue
@@ -377,13 +377,12 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         if finish == "forgotten":
             self._pinned.pop(key, None)
             self._barriers.discard(key)
-        if (finish in ("released", "forgotten") and type(key) is tuple and len(key) == 2
-                and isinstance(key[0], str) and key[0].startswith("pgas-barrier-")):
-            # every output task of this PE is done with the PE's result: the worker can drop it
-            name = "pgas-rechunk-" + key[0][len("pgas-barrier-"):]
-            pe = key[1]
-            if 0 <= pe < len(self.world) and self.world[pe] in self.scheduler.workers:
-                self.scheduler.send_all({}, {self.world[pe]: [{"op": "pgas-forget", "name": name}]})
+        if finish in ("released", "forgotten") and isinstance(key, str) and key.startswith("pgas-barrier-"):
+            # every output task is done with the run's results: the workers can drop them
+            name = "pgas-rechunk-" + key[len("pgas-barrier-"):]
+            msgs = {w: [{"op": "pgas-forget", "name": name}] for w in self.world if w in self.scheduler.workers}
+            if msgs:
+                self.scheduler.send_all({}, msgs)
 
     def remove_worker(self, scheduler, worker: str, *, stimulus_id: str, **kwargs) -> None:
         if worker not in self.world:
