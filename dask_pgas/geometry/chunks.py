@@ -93,6 +93,7 @@ def _bisect(
     bounds: list[np.ndarray],
     split_chunks: bool,
     out: list[tuple[tuple[int, ...], tuple[int, ...]]],
+    prefer_axis: int | None = None,
 ) -> None:
     if npes == 1:
         out.append((lo, up))
@@ -114,7 +115,7 @@ def _bisect(
         target = lo[ax] + share * ext[ax]
         k = int(np.searchsorted(interior, target))
         for c in interior[max(k - 1, 0) : k + 1]:
-            key = (abs((int(c) - lo[ax]) / ext[ax] - share), -interior.size, ax, int(c))
+            key = (ax != prefer_axis, abs((int(c) - lo[ax]) / ext[ax] - share), -interior.size, ax, int(c))
             if best is None or key < best:
                 best = key
     if best is None:
@@ -128,26 +129,29 @@ def _bisect(
             return
         cut = lo[ax] + min(max(round(share * ext[ax]), 1), ext[ax] - 1)
     else:
-        _, _, ax, cut = best
+        _, _, _, ax, cut = best
     frac = (cut - lo[ax]) / ext[ax]
     p1 = min(max(round(npes * frac), 1), npes - 1)
     up1 = tuple(cut if a == ax else u for a, u in enumerate(up))
     lo2 = tuple(cut if a == ax else lo_ for a, lo_ in enumerate(lo))
-    _bisect(lo, up1, p1, bounds, split_chunks, out)
-    _bisect(lo2, up, npes - p1, bounds, split_chunks, out)
+    _bisect(lo, up1, p1, bounds, split_chunks, out, prefer_axis)
+    _bisect(lo2, up, npes - p1, bounds, split_chunks, out, prefer_axis)
 
 
-def bisect_boxes(chunks: Chunks, npes: int, *, split_chunks: bool = False) -> list[Box]:
+def bisect_boxes(
+    chunks: Chunks, npes: int, *, split_chunks: bool = False, prefer_axis: int | None = None
+) -> list[Box]:
     """``npes`` boxes tiling the array of ``chunks``, balanced by volume and aligned to chunk boundaries.
 
     With ``split_chunks`` a region holding a single chunk but several PEs is cut inside the chunk (so every PE
-    gets data); otherwise such PEs get an empty box.
+    gets data); otherwise such PEs get an empty box. ``prefer_axis`` cuts along that axis whenever it can
+    (slabs), otherwise the best-balanced cut wins.
     """
     if npes < 1:
         raise ValueError(f"need at least one PE, got {npes}")
     shape = tuple(int(sum(c)) for c in chunks)
     out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    _bisect((0,) * len(shape), shape, npes, _bounds(chunks), split_chunks, out)
+    _bisect((0,) * len(shape), shape, npes, _bounds(chunks), split_chunks, out, prefer_axis)
     return [Box(lo, up) for lo, up in out]
 
 
@@ -191,12 +195,9 @@ def _box_pieces(chunks: Chunks, box: Box) -> list[tuple[Index, Slices, Slices]]:
             start = int(bounds[ax][i]) + s.start - lo
             pieces.append((i, s, slice(start, start + s.stop - s.start)))
         per_axis.append(pieces)
-    result = []
-    for combo in np.ndindex(*(len(p) for p in per_axis)):
-        parts = [per_axis[ax][k] for ax, k in enumerate(combo)]
-        result.append(
-            (tuple(p[0] for p in parts), tuple(p[1] for p in parts), tuple(p[2] for p in parts))
-        )
+    import itertools
+
+    result = [tuple(zip(*parts)) for parts in itertools.product(*per_axis)]
     return result
 
 
@@ -222,30 +223,56 @@ def _plan_cached(chunks_in: Chunks, chunks_out: Chunks, npes: int, locs: tuple) 
     shape = tuple(sum(c) for c in chunks_in)
     if shape != tuple(sum(c) for c in chunks_out):
         raise ValueError(f"input chunks cover shape {shape}, output chunks {tuple(sum(c) for c in chunks_out)}")
-    in_boxes = bisect_boxes(chunks_in, npes, split_chunks=True)
-    in_pieces = [_box_pieces(chunks_in, b) for b in in_boxes]
-    if locs:
-        weights = np.zeros((npes, npes))
-        where = dict(locs)
-        for k, pieces in enumerate(in_pieces):
-            for index, _, box_slices in pieces:
-                pe = where.get(index)
-                if pe is not None and 0 <= pe < npes:
-                    weights[k, pe] += math.prod(s.stop - s.start for s in box_slices)
-        order = match_owners(weights)
-        in_boxes = [in_boxes[k] for k in order]
-        in_pieces = [in_pieces[k] for k in order]
-
     out_boxes = bisect_boxes(chunks_out, npes, split_chunks=False)
-    overlap = np.zeros((npes, npes))
-    for k, ob in enumerate(out_boxes):
-        for pe, ib in enumerate(in_boxes):
-            common = ob.intersection(ib)
-            if common is not None:
-                overlap[k, pe] = common.size
-    order = match_owners(overlap)
-    out_boxes = [out_boxes[k] for k in order]
-
+    # candidate input decompositions: balanced, or slabs along each axis; the one keeping the most bytes
+    # where they already are (placement), then the one the collective moves least, wins
+    owner_grid = None
+    if locs:
+        owner_grid = np.full(tuple(len(c) for c in chunks_in), -1, dtype=np.int64)
+        index = np.array([k for k, _ in locs], dtype=np.int64).reshape(len(locs), len(chunks_in))
+        pes = np.array([v for _, v in locs], dtype=np.int64)
+        ok = (pes >= 0) & (pes < npes)
+        owner_grid[tuple(index[ok].T)] = pes[ok]
+    sizes = np.ones((), dtype=np.float64)
+    for ax, c in enumerate(chunks_in):
+        shape_ax = [1] * len(chunks_in)
+        shape_ax[ax] = len(c)
+        sizes = sizes * np.asarray(c, dtype=np.float64).reshape(shape_ax)
+    bounds_in = _bounds(chunks_in)
+    best = None
+    candidates = (None, *range(len(shape))) if npes <= 64 else (None,)
+    for prefer in candidates:
+        boxes = bisect_boxes(chunks_in, npes, split_chunks=True, prefer_axis=prefer)
+        weights = np.zeros((npes, npes))
+        if owner_grid is not None:
+            for k, b in enumerate(boxes):
+                if b.is_empty:
+                    continue
+                sel = tuple(
+                    slice(int(np.searchsorted(bo, lo_, side="right")) - 1,
+                          int(np.searchsorted(bo, up_, side="left")))
+                    for bo, lo_, up_ in zip(bounds_in, b.lower, b.upper)
+                )
+                own, sz = owner_grid[sel].ravel(), np.broadcast_to(sizes, owner_grid.shape)[sel].ravel()
+                known = own >= 0
+                weights[k] = np.bincount(own[known], weights=sz[known], minlength=npes)[:npes]
+        order = match_owners(weights)
+        local = sum(weights[order[pe], pe] for pe in range(npes))
+        boxes = [boxes[k] for k in order]
+        overlap = np.zeros((npes, npes))
+        for k, ob in enumerate(out_boxes):
+            for pe, ib in enumerate(boxes):
+                common = ob.intersection(ib)
+                if common is not None:
+                    overlap[k, pe] = common.size
+        out_order = match_owners(overlap)
+        stay = sum(overlap[out_order[pe], pe] for pe in range(npes))
+        score = (local, stay, prefer is None)
+        if best is None or score > best[0]:
+            best = (score, boxes, out_order)
+    _, in_boxes, out_order = best
+    in_pieces = [_box_pieces(chunks_in, b) for b in in_boxes]
+    out_boxes = [out_boxes[k] for k in out_order]
     inputs = tuple(tuple(InputPiece(i, cs, bs) for i, cs, bs in pieces) for pieces in in_pieces)
     outputs = []
     for ob in out_boxes:
