@@ -5,7 +5,7 @@ Beside it, in the same run and on the same bytes:
   * a bare ``MPI.Alltoall`` of pre-packed contiguous blocks,
   * a NumPy copy of the local slab (memcpy speed).
 
-    mpiexec -n 4 python benchmarks/bench_reshape_mpi.py [--n 8192] [--repeats 5]
+    mpiexec -n 4 python benchmarks/bench_reshape_mpi.py [--n 8192] [--repeats 5] [--reverse]
 
 Rates are the global array's bytes / time (median of the repeats after one warm-up, max over ranks).
 """
@@ -37,6 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--reverse", action="store_true", help="row slabs -> column slabs instead")
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
     rank, size, n = comm.rank, comm.size, args.n
@@ -44,6 +45,8 @@ def main() -> None:
         raise SystemExit(f"--n must be divisible by the number of ranks ({size})")
     w = n // size
     in_box, out_box = Box((0, rank * w), (n, (rank + 1) * w)), Box((rank * w, 0), ((rank + 1) * w, n))
+    if args.reverse:
+        in_box, out_box = out_box, in_box
     a = np.random.default_rng(rank).random(in_box.shape)
     total = n * n * 8
 
@@ -57,6 +60,8 @@ def main() -> None:
     # bare Alltoallw with the same subarray datatypes
     send = [MPI.DOUBLE.Create_subarray([n, w], [w, w], [p * w, 0]).Commit() for p in range(size)]
     recv = [MPI.DOUBLE.Create_subarray([w, n], [w, w], [0, p * w]).Commit() for p in range(size)]
+    if args.reverse:
+        send, recv = recv, send
     out = np.empty(out_box.shape)
     ones, zeros = [1] * size, [0] * size
     results["bare MPI.Alltoallw"] = timed(
@@ -77,7 +82,8 @@ def main() -> None:
     dask_pgas.finalize()
     if rank == 0:
         ref = results["bare MPI.Alltoallw"]
-        print(f"S1 column->row slabs: {n}x{n} float64 = {total / 2**20:.0f} MiB on {size} ranks "
+        direction = "row->column" if args.reverse else "column->row"
+        print(f"S1 {direction} slabs: {n}x{n} float64 = {total / 2**20:.0f} MiB on {size} ranks "
               f"(result matches bare Alltoallw: {ok})")
         print(f"{'method':32s} {'time [ms]':>10s} {'GB/s':>8s} {'vs Alltoallw':>13s}")
         for name, t in results.items():

@@ -13,6 +13,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from ..distribution import Box
+from ..geometry.boxes import contiguous_offset
 from .base import Allocation, ControlPlane, Engine, ReshapePlan, ReshapeSpec
 
 __all__ = ["MPIControl", "MPIEngine", "MPIReshapePlan"]
@@ -58,6 +60,11 @@ def _element_type(dtype: np.dtype):
 
 
 class MPIReshapePlan(ReshapePlan):
+    """One ``Alltoallw`` per execute. Pieces contiguous in memory travel as plain element runs; a rank whose send
+    pieces are strided packs them first into a buffer of the plan (MPICH sends strided subarrays several times
+    slower than it receives them: 0.92 s against 0.14 s for the two directions of S1 on 4 ranks here); strided
+    receive pieces use subarray datatypes."""
+
     def __init__(self, engine: MPIEngine, spec: ReshapeSpec) -> None:
         from mpi4py import MPI
 
@@ -69,28 +76,45 @@ class MPIReshapePlan(ReshapePlan):
             base = base.Dup().Commit()
             self._owns_base = True
         self._base = base
-        nranks, me = spec.nranks, spec.rank
+        nranks, me, item = spec.nranks, spec.rank, spec.dtype.itemsize
         my_in, my_out = spec.input_box, spec.output_box
         self._send_types, self._recv_types = [base] * nranks, [base] * nranks
         self._send_counts, self._recv_counts = [0] * nranks, [0] * nranks
+        self._send_displs, self._recv_displs = [0] * nranks, [0] * nranks
         self._derived = []
         self._local: tuple[tuple[slice, ...], tuple[slice, ...]] | None = None
-        self.bytes_sent = 0
+        sends = []
         for peer in range(nranks):
             piece = my_in.intersection(spec.output_boxes[peer])
             if piece is not None:
                 if peer == me:
                     self._local = (piece.relative_to(my_in), piece.relative_to(my_out))
                 else:
-                    self._send_types[peer] = self._subarray(base, my_in, piece, order)
-                    self._send_counts[peer] = 1
-                    self.bytes_sent += piece.size * spec.dtype.itemsize
+                    sends.append((peer, piece, contiguous_offset(my_in, piece, spec.order)))
             piece = spec.input_boxes[peer].intersection(my_out)
             if piece is not None and peer != me:
-                self._recv_types[peer] = self._subarray(base, my_out, piece, order)
-                self._recv_counts[peer] = 1
-        self._displs = [0] * nranks
-        self._active = any(self._send_counts) or any(self._recv_counts)
+                offset = contiguous_offset(my_out, piece, spec.order)
+                if offset is None:
+                    self._recv_types[peer] = self._subarray(base, my_out, piece, order)
+                    self._recv_counts[peer] = 1
+                else:
+                    self._recv_counts[peer], self._recv_displs[peer] = piece.size, offset * item
+        # (peer's piece, its slices in the input, byte offset in the pack buffer)
+        self._pack: list[tuple[Box, tuple[slice, ...], int]] = []
+        self._pack_buffer: np.ndarray | None = None
+        packing = any(offset is None for _, _, offset in sends)
+        position = 0
+        for peer, piece, offset in sends:
+            self._send_counts[peer] = piece.size
+            if packing:
+                self._pack.append((piece, piece.relative_to(my_in), position))
+                self._send_displs[peer] = position
+                position += piece.size * item
+            else:
+                self._send_displs[peer] = offset * item
+        if packing:
+            self._pack_buffer = np.empty(position, dtype=np.uint8)
+        self.bytes_sent = sum(p.size for _, p, _ in sends) * item
 
     def _subarray(self, base, whole, piece, order):
         starts = [p - w for p, w in zip(piece.lower, whole.lower)]
@@ -112,17 +136,24 @@ class MPIReshapePlan(ReshapePlan):
             raise RuntimeError("this plan was freed")
         sbuf = self._flat(src, self.spec.input_box.shape, "source")
         rbuf = self._flat(dst, self.spec.output_box.shape, "destination")
+        raw = np.dtype((np.void, self.spec.dtype.itemsize))  # byte-exact copies: no string or float semantics
+        if self._pack_buffer is not None:
+            source, order = src.view(raw), self.spec.order
+            for piece, slices, position in self._pack:
+                run = self._pack_buffer[position : position + piece.size * raw.itemsize]
+                run.view(raw).reshape(piece.shape, order=order)[...] = source[slices]
+            sbuf = self._pack_buffer
         # Every rank takes part, even with nothing to send or receive: peers' plans count on it.
         self._comm.Alltoallw(
-            [sbuf, (self._send_counts, self._displs), self._send_types],
-            [rbuf, (self._recv_counts, self._displs), self._recv_types],
+            [sbuf, (self._send_counts, self._send_displs), self._send_types],
+            [rbuf, (self._recv_counts, self._recv_displs), self._recv_types],
         )
         if self._local is not None:
             src_sl, dst_sl = self._local
-            raw = np.dtype((np.void, self.spec.dtype.itemsize))  # byte-exact: no string or float semantics
             dst.view(raw)[dst_sl] = src.view(raw)[src_sl]
 
     def free(self) -> None:
+        self._pack_buffer = None
         for dt in self._derived:
             dt.Free()
         self._derived.clear()

@@ -51,3 +51,20 @@ def tiling_error(boxes: Sequence[Box], what: str = "boxes") -> str | None:
             f"{bbox}"
         )
     return None
+
+
+def contiguous_offset(whole: Box, piece: Box, order: str = "C") -> int | None:
+    """Element offset of ``piece`` inside a dense array holding ``whole`` when the piece is one contiguous run
+    of that array's memory (``order`` "C" or "F"), else None."""
+    shape, lower = list(piece.shape), [p - w for p, w in zip(piece.lower, whole.lower)]
+    full = list(whole.shape)
+    if order == "F":
+        shape, lower, full = shape[::-1], lower[::-1], full[::-1]
+    k = next((i for i, n in enumerate(shape) if n != 1), len(shape))
+    if any(shape[i] != full[i] for i in range(k + 1, len(shape))):
+        return None
+    offset, stride = 0, 1
+    for i in reversed(range(len(full))):
+        offset += lower[i] * stride
+        stride *= full[i]
+    return offset

@@ -73,3 +73,25 @@ def test_tiling_error_matches_a_dense_count(data):
     inside = grid[tuple(slice(lo_, up_) for lo_, up_ in zip(bbox.lower, bbox.upper))]
     exact = bool((inside == 1).all())
     assert (tiling_error(boxes) is None) == exact
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_contiguous_offset_matches_numpy(data):
+    from dask_pgas.geometry.boxes import contiguous_offset
+
+    ndim = data.draw(st.integers(1, 4))
+    shape = data.draw(st.lists(st.integers(1, 4), min_size=ndim, max_size=ndim))
+    origin = data.draw(st.lists(st.integers(-3, 3), min_size=ndim, max_size=ndim))
+    whole = Box(origin, [o + n for o, n in zip(origin, shape)])
+    lo = [data.draw(st.integers(o, o + n - 1)) for o, n in zip(origin, shape)]
+    up = [data.draw(st.integers(a + 1, o + n)) for a, o, n in zip(lo, origin, shape)]
+    piece = Box(lo, up)
+    order = data.draw(st.sampled_from("CF"))
+    index = np.arange(int(np.prod(shape))).reshape(shape, order=order)  # memory position of each element
+    positions = np.sort(index[piece.relative_to(whole)].ravel())
+    runs = bool(np.all(np.diff(positions) == 1))
+    got = contiguous_offset(whole, piece, order)
+    assert (got is not None) == runs
+    if got is not None:
+        assert got == positions[0]
