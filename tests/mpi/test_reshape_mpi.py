@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.mpirun import agreed_outcomes, check, run_mpi
@@ -43,6 +45,8 @@ def test_seed_example_runs_as_written():
     example = Path(__file__).parents[2] / "examples" / "reshape_columns_to_rows.py"
     result = run_mpi(example, 2, timeout=120)
     assert result.returncode == 0, result.stderr
-    for rank in (0, 1):
-        block = result.stdout.split(f"[{rank}] B:\n", 1)[1].splitlines()[:2]
-        assert block == ["[[0. 0. 1. 1.]", " [0. 0. 1. 1.]]"], result.stdout
+    # the two ranks print concurrently (print's newline is a separate write), so count, do not parse lines
+    out = result.stdout
+    assert "[0] B:" in out and "[1] B:" in out, out
+    assert len(re.findall(r"\[0\. 0\. 1\. 1\.\]", out)) == 4, out
+    assert len(re.findall(r"\[[-0-9. ]+\]", out.replace("[0] B:", "").replace("[1] B:", ""))) == 4, out
