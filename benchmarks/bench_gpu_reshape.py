@@ -17,13 +17,13 @@ import statistics
 
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
-import cupy as cp  # noqa: E402
-import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
+import cupy as cp
+import numpy as np
+from mpi4py import MPI
 
-import dask_pgas  # noqa: E402
-from dask_pgas.distribution import Box  # noqa: E402
-from dask_pgas.reshape import Reshape  # noqa: E402
+import dask_pgas
+from dask_pgas.distribution import Box
+from dask_pgas.reshape import Reshape
 
 
 def slabs(n: int, p: int, axis: int) -> list[Box]:

@@ -16,8 +16,8 @@ from . import LibraryNotFound, extra_hint, find_in_site_packages
 __all__ = [
     "ATTR_SIZE",
     "INIT_WITH_UNIQUEID",
-    "UNIQUEID_SIZE",
     "NVSHMEM",
+    "UNIQUEID_SIZE",
     "InitAttr",
     "UniqueId",
     "library_path",

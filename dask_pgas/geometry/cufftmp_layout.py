@@ -141,7 +141,7 @@ def cufftmp_layout(
     for (i, _), (lo, up) in zip(full, packed):
         lo3 = tuple([0] * pad + lo)
         up3 = tuple([1] * pad + up)
-        result[i] = (lo3, up3, dense_strides([u - l for l, u in zip(lo3, up3)]))
+        result[i] = (lo3, up3, dense_strides([b - a for a, b in zip(lo3, up3)]))
     for i in range(2 * nranks):
         if result[i] is None:
             result[i] = ((0, 0, 0), (0, 0, 0), (1, 1, 1))

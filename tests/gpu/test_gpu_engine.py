@@ -58,7 +58,7 @@ def launch(program: str, nranks: int, *args: str, timeout: float = 240) -> subpr
 def _flavour(exe: str) -> str:
     try:
         return subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).stdout.lower()
-    except Exception:  # noqa: BLE001
+    except Exception:
         return ""
 
 

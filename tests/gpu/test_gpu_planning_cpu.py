@@ -35,9 +35,9 @@ def boxes_cover(layout, nranks):
     """Every rank's 3-D box has strides dense for its extents, and the boxes tile the 3-D domain."""
     for lo, up, st in (*layout.input, *layout.output):
         assert len(lo) == len(up) == len(st) == 3
-        assert st == dense_strides([u - l for l, u in zip(lo, up)])
+        assert st == dense_strides([b - a for a, b in zip(lo, up)])
     for side in (layout.input, layout.output):
-        total = sum(int(np.prod([u - l for l, u in zip(lo, up)])) for lo, up, _ in side)
+        total = sum(int(np.prod([b - a for a, b in zip(lo, up)])) for lo, up, _ in side)
         assert total == int(np.prod(layout.domain))
 
 
@@ -71,11 +71,10 @@ def test_merge_full_inner_axes():
 
 def test_merge_axes_extent_one():
     boxes, dom = merge_axes([([0, 2], [1, 5]), ([1, 0], [2, 6])], [2, 6])
-    assert dom == [12] and boxes == [([2], [5]), ([6], [12])] or dom == [2, 6]
+    assert dom == [12] and boxes == [([2], [5]), ([6], [12])]
 
 
 def test_unmergeable_4d_raises():
-    shape = (4, 4, 4, 4)
     ins = [Box((0, 0, 0, 0), (2, 4, 4, 2)), Box((2, 0, 0, 0), (4, 4, 4, 2)),
            Box((0, 0, 0, 2), (2, 4, 4, 4)), Box((2, 0, 0, 2), (4, 4, 4, 4))]
     outs = [Box((0, 0, 0, 0), (4, 2, 2, 4)), Box((0, 2, 0, 0), (4, 4, 2, 4)),
@@ -241,7 +240,8 @@ def test_layout_is_byte_exact_against_numpy():
     """Simulate cuFFTMp on the 3-D word description with NumPy: the bytes land where the N-D reshape says."""
     rng = np.random.default_rng(0)
     for shape, ax_in, ax_out, dtype, order, n in itertools.product(
-        [(6, 8), (4, 3, 8), (2, 3, 4, 8)], [0, 1], [0, -1], ["int8", "float16", "float64", "complex128"], "CF", [1, 2, 3]
+        [(6, 8), (4, 3, 8), (2, 3, 4, 8)], [0, 1], [0, -1], ["int8", "float16", "float64", "complex128"], "CF",
+        [1, 2, 3],
     ):
         dt = np.dtype(dtype)
         ins, outs = slabs(shape, ax_in, n), slabs(shape, ax_out % len(shape), n)
@@ -252,7 +252,8 @@ def test_layout_is_byte_exact_against_numpy():
         glob = rng.integers(0, 256, int(np.prod(shape)) * dt.itemsize, dtype=np.uint8).view(dt).reshape(shape)
         word = np.dtype(f"V{lay.word_size}")
         # the global array as seen by cuFFTMp: C order of the (reversed for F) axes, as 3-D words
-        g3 = np.ascontiguousarray(glob if order == "C" else glob.T).reshape(-1).view(np.uint8).view(word).reshape(lay.domain)
+        flat = np.ascontiguousarray(glob if order == "C" else glob.T).reshape(-1)
+        g3 = flat.view(np.uint8).view(word).reshape(lay.domain)
         for r in range(n):
             lo, up, _ = lay.output[r]
             got = g3[tuple(slice(a, b) for a, b in zip(lo, up))]

@@ -5,13 +5,13 @@ import os
 
 os.environ["DASK_PGAS_EMPTY_VIA_PEER"] = "0"
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-import cupy as cp  # noqa: E402
-import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
+import cupy as cp
+import numpy as np
+from mpi4py import MPI
 
-import dask_pgas  # noqa: E402
-from dask_pgas.distribution import Box  # noqa: E402
-from dask_pgas.reshape import Reshape  # noqa: E402
+import dask_pgas
+from dask_pgas.distribution import Box
+from dask_pgas.reshape import Reshape
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()

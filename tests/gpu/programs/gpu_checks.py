@@ -11,15 +11,15 @@ import traceback
 
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
-import cupy as cp  # noqa: E402
-import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
+import cupy as cp
+import numpy as np
+from mpi4py import MPI
 
-import dask_pgas  # noqa: E402
-from dask_pgas import errors  # noqa: E402
-from dask_pgas.distribution import Box  # noqa: E402
-from dask_pgas.reshape import Reshape, reshape  # noqa: E402
-from dask_pgas.runtime import get_engine  # noqa: E402
+import dask_pgas
+from dask_pgas import errors
+from dask_pgas.distribution import Box
+from dask_pgas.reshape import Reshape
+from dask_pgas.runtime import get_engine
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
@@ -31,7 +31,7 @@ def check(name, fn):
         fn()
         ok = True
         msg = ""
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         ok = False
         msg = f"{type(exc).__name__}: {exc}"
         traceback.print_exc()
