@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import os
 import random
 import sys
 
@@ -10,6 +12,10 @@ import numpy as np
 from mpi4py import MPI
 
 import dask_pgas
+
+# diagnosing a hang: DASK_PGAS_TEST_DUMP_AFTER=50 prints every thread's stack after 50 s and exits
+if os.environ.get("DASK_PGAS_TEST_DUMP_AFTER"):
+    faulthandler.dump_traceback_later(float(os.environ["DASK_PGAS_TEST_DUMP_AFTER"]), exit=True)
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
