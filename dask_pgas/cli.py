@@ -67,7 +67,8 @@ def demo(args: argparse.Namespace) -> int:
     print(f"dask-pgas demo: {n} x {n} float64 ({format_bytes(n * n * 8)}), {kind}")
     print(f"  column slabs {cols} -> row slabs {rows} -> column slabs, median of {args.repeats}")
     t0 = time.perf_counter()
-    with dask_pgas.LocalMPICluster(n_workers=workers, backends=["nvshmem"] if gpus else ["mpi"]) as cluster, \
+    with dask_pgas.LocalMPICluster(n_workers=workers, backends=["nvshmem"] if gpus else ["mpi"],
+                                   gpus=gpus) as cluster, \
             Client(cluster) as client:
         print(f"  cluster up in {time.perf_counter() - t0:.1f}s: {cluster.world}")
         dask_pgas.install()
