@@ -48,6 +48,24 @@ def _timed(client, fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times), result
 
 
+def _device_copy(nbytes: int, repeats: int = 5) -> float:
+    """Median seconds of a device-to-device copy of ``nbytes`` on this worker's GPU (CUDA events)."""
+    import cupy
+
+    src = cupy.ones(nbytes // 8, dtype=cupy.float64)
+    dst = cupy.empty_like(src)
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for i in range(repeats + 1):
+        start.record()
+        cupy.copyto(dst, src)
+        stop.record()
+        stop.synchronize()
+        if i:
+            times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+    return statistics.median(times)
+
+
 def demo(args: argparse.Namespace) -> int:
     import dask
     import dask.array as da
@@ -91,6 +109,9 @@ def demo(args: argparse.Namespace) -> int:
             except Exception as exc:  # a peer method not available on this cluster
                 results[method] = exc
         gb = n * n * 8 / 1e9
+        copy = None
+        if gpus:  # the same bytes copied on every worker's GPU at once: the ceiling of any GPU rechunk
+            copy = max(client.run(_device_copy, n * n * 8 // workers).values())
         print(f"  {'method':<7} {'cols->rows':>12} {'rows->cols':>12}  check")
         for method, r in results.items():
             if isinstance(r, Exception):
@@ -105,6 +126,9 @@ def demo(args: argparse.Namespace) -> int:
             p = results["pgas"]
             if best_peer:
                 print(f"  pgas vs faster of tasks/p2p: {(gb / min(p[0], p[1])) / max(best_peer):.1f}x")
+            if copy:
+                print(f"  device-to-device copy of the same bytes: {gb / copy:.2f} GB/s; pgas reaches "
+                      f"{copy / p[0]:.0%} (cols->rows) and {copy / p[1]:.0%} (rows->cols) of it")
         del x
         dask_pgas.uninstall()
     return 0 if good and all(r[2] for r in good) and "pgas" in results and \

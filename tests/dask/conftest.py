@@ -1,4 +1,5 @@
-"""One local MPI-backed Dask cluster (3 worker ranks: an odd count) shared by the whole tests/dask session."""
+"""One local MPI-backed Dask cluster shared by the whole tests/dask session: 3 CPU worker ranks (an odd count),
+or ``DASK_PGAS_TEST_GPU_WORKERS`` GPU workers (see ``_xp.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ pytest.importorskip("distributed")
 def pgas_cluster():
     import dask_pgas
 
-    cluster = dask_pgas.LocalMPICluster(n_workers=3, env={"DASK_PGAS__COLLECTIVE_TIMEOUT": "60s"})
+    from ._xp import BACKEND, GPU_WORKERS, NWORKERS
+
+    cluster = dask_pgas.LocalMPICluster(
+        n_workers=NWORKERS, env={"DASK_PGAS__COLLECTIVE_TIMEOUT": "60s"}, backends=[BACKEND],
+        gpus=1 if GPU_WORKERS else 0,
+    )
     yield cluster
     cluster.close()
 

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Whole GPU validation in 3 back-to-back device calls (engine + Dask on GPU workers), logs in $OUT:
+#   1: carry [".gpu-stage/part-aa", ".gpu-stage/SHA256SUMS", ".whl"]   bash scripts/gpu/final.sh upload
+#   2: carry [".gpu-stage/part-ab"]                                      bash scripts/gpu/final.sh upload
+#   3: carry [".gpu-stage/part-ac"]                                      bash scripts/gpu/final.sh run
+# Phase 1 runs correctness jobs side by side (they share the GPU); phase 2 runs the timed jobs one at a time.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/stage /tmp/site
+export PYTHONUNBUFFERED=1 NVSHMEM_DISABLE_NVLS=1 NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo \
+       NVSHMEM_SYMMETRIC_SIZE=8g NVSHMEM_DISABLE_NCCL=1 OMP_NUM_THREADS=1 \
+       OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+export PYTHONPATH=/tmp/site:$PWD
+S=$OUT/summary.txt
+START=$(date +%s); BUDGET=${BUDGET:-520}
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+# step NAME TIMEOUT LOG cmd...
+step() {
+  local name=$1 to=$2 log=$3; shift 3
+  if [ "$(left)" -lt 15 ]; then echo "SKIP $name (budget)" >>"$S"; return 0; fi
+  [ "$to" -gt "$(left)" ] && to=$(left)
+  local t0=$(date +%s)
+  echo "=== $name: $*" >>"$log"
+  timeout -k 5 "$to" "$@" >>"$log" 2>&1
+  local rc=$?
+  echo "$( [ $rc -eq 0 ] && echo PASS || echo "FAIL(rc=$rc)" ) $name $(( $(date +%s) - t0 ))s" >>"$S"
+}
+cp .gpu-stage/part-* .gpu-stage/SHA256SUMS /tmp/stage/ 2>/dev/null
+if [ "${1:-run}" = upload ]; then
+  ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --upgrade --target /tmp/site .whl/*.whl
+  ls /tmp/stage /tmp/site | tr '\n' ' ' >>"$S"; echo >>"$S"
+  step "cpu planning tests" 60 "$OUT/upload.log" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_planning_cpu.py tests/unit
+  cat "$S"; exit 0
+fi
+if [ ! -e /tmp/site/nvidia/cufftmp/cu13/lib/libcufftMp.so.12 ]; then
+  (cd /tmp/stage && cat part-* > lib.tar.xz && sha256sum -c SHA256SUMS | sed 's/^/  /') >>"$S" 2>&1
+  mkdir -p /tmp/site/nvidia/cufftmp/cu13 && xz -dc -T0 /tmp/stage/lib.tar.xz | tar -x -C /tmp/site/nvidia/cufftmp/cu13
+  ln -sfn "$(python3 -c 'import nvidia.nvshmem, os; print(list(nvidia.nvshmem.__path__)[0])')" /tmp/site/nvidia/nvshmem
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$S"
+python3 -c "import dask, distributed; from dask_pgas.engines.nvshmem import NVSHMEMEngine as E; print('dask', dask.__version__, 'unavailable_reason:', E.unavailable_reason())" >>"$S" 2>&1
+MPIRUN="mpirun --bind-to none"
+SUITE=tests/mpi/programs/reshape_suite.py
+# ---- phase 1: correctness, side by side
+step "dask suite, 2 GPU workers" 200 "$OUT/dask2.log" env DASK_PGAS_TEST_GPU_WORKERS=2 python3 -m pytest -q -p no:cacheprovider -x tests/dask/test_rechunk.py &
+step "numpy suite np=2 (trace)" 70 "$OUT/numpy.log" env DASK_PGAS_NVSHMEM_TRACE=1 DASK_PGAS_TEST_DUMP_AFTER=55 $MPIRUN -n 2 python3 $SUITE --backend nvshmem --package numpy --examples 15 &
+( step "gpu_checks np=2" 100 "$OUT/engine.log" $MPIRUN -n 2 python3 tests/gpu/programs/gpu_checks.py
+  step "core suite np=2 cupy" 100 "$OUT/engine.log" $MPIRUN -n 2 python3 $SUITE --backend nvshmem --package cupy --examples 12
+  step "core suite np=2 torch" 100 "$OUT/engine.log" $MPIRUN -n 2 python3 $SUITE --backend nvshmem --package torch --examples 12
+  step "core suite np=3 cupy" 100 "$OUT/engine.log" $MPIRUN -n 3 python3 $SUITE --backend nvshmem --package cupy --examples 8 ) &
+wait
+# ---- phase 2: timed, one at a time
+step "demo 1 GPU worker, S1 512MiB" 150 "$OUT/demo1.log" python3 -m dask_pgas.cli demo --size 512MiB --workers 1 --repeats 3
+step "bench np=1" 60 "$OUT/bench.log" $MPIRUN -n 1 python3 benchmarks/bench_gpu_reshape.py
+step "bench np=2" 60 "$OUT/bench.log" $MPIRUN -n 2 python3 benchmarks/bench_gpu_reshape.py
+step "demo 2 GPU workers (one GPU), pgas only" 90 "$OUT/demo2.log" python3 -m dask_pgas.cli demo --size 512MiB --workers 2 --repeats 3 --pgas-only
+step "dask suite, 1 GPU worker" 150 "$OUT/dask1.log" env DASK_PGAS_TEST_GPU_WORKERS=1 python3 -m pytest -q -p no:cacheprovider -x tests/dask/test_rechunk.py
+grep -h "GB/s\|pgas vs\|copy" "$OUT"/demo*.log >>"$S" 2>/dev/null
+grep -h "^BENCH\|GB/s" "$OUT/bench.log" >>"$S" 2>/dev/null
+grep -h "passed\|failed" "$OUT"/dask*.log >>"$S" 2>/dev/null
+echo "elapsed $(( $(date +%s) - START ))s" >>"$S"
+cat "$S"
