@@ -77,10 +77,9 @@ def demo(args: argparse.Namespace) -> int:
     gpus = 0 if args.cpu else _gpu_count()
     workers = args.workers or (gpus or 4)
     nbytes = parse_bytes(args.size)
-    n = int((nbytes / 8) ** 0.5) // workers * workers
-    if n < workers:
-        n = workers
-    cols, rows = (n, n // workers), (n // workers, n)
+    parts = max(workers, 4)  # slabs: with fewer than 4 workers several per worker (1 worker: no no-op rechunk)
+    n = max(int((nbytes / 8) ** 0.5) // parts * parts, parts)
+    cols, rows = (n, n // parts), (n // parts, n)
     kind = f"{workers} GPU workers" if gpus else f"{workers} CPU workers (MPI ranks)"
     print(f"dask-pgas demo: {n} x {n} float64 ({format_bytes(n * n * 8)}), {kind}")
     print(f"  column slabs {cols} -> row slabs {rows} -> column slabs, median of {args.repeats}")

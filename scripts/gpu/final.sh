@@ -3,6 +3,7 @@
 #   1: carry [".gpu-stage/part-aa", ".gpu-stage/SHA256SUMS", ".whl"]   bash scripts/gpu/final.sh upload
 #   2: carry [".gpu-stage/part-ab"]                                      bash scripts/gpu/final.sh upload
 #   3: carry [".gpu-stage/part-ac"]                                      bash scripts/gpu/final.sh run
+#      (or "rerun": only the 1- and 2-worker demos and the NumPy core suite)
 # Phase 1 runs correctness jobs side by side (they share the GPU); phase 2 runs the timed jobs one at a time.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/stage /tmp/site
@@ -33,13 +34,21 @@ if [ "${1:-run}" = upload ]; then
   cat "$S"; exit 0
 fi
 if [ ! -e /tmp/site/nvidia/cufftmp/cu13/lib/libcufftMp.so.12 ]; then
-  (cd /tmp/stage && cat part-* > lib.tar.xz && sha256sum -c SHA256SUMS | sed 's/^/  /') >>"$S" 2>&1
-  mkdir -p /tmp/site/nvidia/cufftmp/cu13 && xz -dc -T0 /tmp/stage/lib.tar.xz | tar -x -C /tmp/site/nvidia/cufftmp/cu13
+  (cd /tmp/stage && cat part-* > cufftmp-cu13-lib.tar.xz && sha256sum -c SHA256SUMS | sed 's/^/  /') >>"$S" 2>&1
+  mkdir -p /tmp/site/nvidia/cufftmp/cu13 && xz -dc -T0 /tmp/stage/cufftmp-cu13-lib.tar.xz | tar -x -C /tmp/site/nvidia/cufftmp/cu13
   ln -sfn "$(python3 -c 'import nvidia.nvshmem, os; print(list(nvidia.nvshmem.__path__)[0])')" /tmp/site/nvidia/nvshmem
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$S"
 python3 -c "import dask, distributed; from dask_pgas.engines.nvshmem import NVSHMEMEngine as E; print('dask', dask.__version__, 'unavailable_reason:', E.unavailable_reason())" >>"$S" 2>&1
 MPIRUN="mpirun --bind-to none"
+if [ "${1:-run}" = rerun ]; then  # the short second round: the 1-worker demo and the NumPy suite
+  step "demo 1 GPU worker, S1 512MiB" 110 "$OUT/demo1.log" python3 -m dask_pgas.cli demo --size 512MiB --workers 1 --repeats 3
+  step "numpy suite np=2 (trace)" 50 "$OUT/numpy.log" env DASK_PGAS_TEST_DUMP_AFTER=40 $MPIRUN -n 2 python3 tests/mpi/programs/reshape_suite.py --backend nvshmem --package numpy --examples 15
+  step "demo 2 GPU workers (one GPU)" 100 "$OUT/demo2.log" python3 -m dask_pgas.cli demo --size 512MiB --workers 2 --repeats 3
+  grep -h "GB/s\|pgas vs\|copy\|WRONG" "$OUT"/demo*.log >>"$S" 2>/dev/null
+  tail -3 "$OUT/numpy.log" >>"$S"
+  echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
+fi
 SUITE=tests/mpi/programs/reshape_suite.py
 # ---- phase 1: correctness, side by side
 step "dask suite, 2 GPU workers" 200 "$OUT/dask2.log" env DASK_PGAS_TEST_GPU_WORKERS=2 python3 -m pytest -q -p no:cacheprovider -x tests/dask/test_rechunk.py &

@@ -114,22 +114,25 @@ def run_case(case):
     expect = piece(glob, my_out, "C")
     symmetric = case["kind"] == "symmetric"
     ok, why = True, ""
-    with Reshape(operand, my_in, my_out) as plan:
-        plan.plan()
-        for attempt in range(2):  # plan once, execute twice
-            result = plan.execute()
-            if not matches(result, expect):
-                ok, why = False, f"execute #{attempt} differs from the reference"
-            if symmetric:
-                dask_pgas.free_symmetric_memory(result)
-        if case["kind"] == "plain":  # a new operand through reset_operand
-            glob2 = global_array(case["shape"], case["dtype"], case["seed"] + 1)
-            local2 = piece(glob2, my_in, case["order"])
-            plan.reset_operand(local2)
-            if not matches(plan.execute(), piece(glob2, my_out, "C")):
-                ok, why = False, "execute after reset_operand differs from the reference"
-    if symmetric:
-        dask_pgas.free_symmetric_memory(operand)
+    try:
+        with Reshape(operand, my_in, my_out) as plan:
+            plan.plan()
+            for attempt in range(2):  # plan once, execute twice
+                result = plan.execute()
+                if not matches(result, expect):
+                    ok, why = False, f"execute #{attempt} differs from the reference"
+                if symmetric:
+                    dask_pgas.free_symmetric_memory(result)
+            if case["kind"] == "plain":  # a new operand through reset_operand
+                glob2 = global_array(case["shape"], case["dtype"], case["seed"] + 1)
+                local2 = piece(glob2, my_in, case["order"])
+                plan.reset_operand(local2)
+                if not matches(plan.execute(), piece(glob2, my_out, "C")):
+                    ok, why = False, "execute after reset_operand differs from the reference"
+        if symmetric:
+            dask_pgas.free_symmetric_memory(operand)
+    except Exception as exc:  # a local failure must still reach the verdict that every rank agrees on
+        ok, why = False, f"raised {type(exc).__name__}: {exc}"
     verdict = all_ok(ok)
     assert verdict, f"rank {RANK}: {why or 'another rank failed'} in {case}, boxes in={ins} out={outs}"
 
