@@ -28,7 +28,14 @@ def run_mpi(program: str | Path, nranks: int, *args: str, timeout: float = 180, 
     if not path.is_absolute():
         path = PROGRAMS / path
     cmd = [mpiexec(), "-n", str(nranks), sys.executable, "-u", str(path), *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    root = str(Path(__file__).resolve().parents[1])
+    full_env = {
+        **os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NVSHMEM_DISABLE_NVLS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+        # Open MPI (the GPU machine's MPI) refuses root and more ranks than cores unless told; MPICH ignores these
+        "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_rmaps_base_oversubscribe": "1",
+        **(env or {}),
+    }
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, start_new_session=True
     )
