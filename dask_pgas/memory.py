@@ -100,8 +100,8 @@ def allocate_symmetric_memory(
             raise ValueError(f"axis_order must be 'C' or 'F', not {axis_order!r}")
         nbytes = math.prod(dims) * np_dtype.itemsize
         desc = f"{pkg} {dims} {np_dtype}"
-    except (TypeError, ValueError) as exc:
-        error = str(exc)
+    except Exception as exc:  # reported to all ranks, never raised alone
+        error = f"{type(exc).__name__}: {exc}"
     with _lock:
         sizes = _agree(engine.control, error, nbytes)
         if not make_symmetric and len(set(sizes)) > 1:
@@ -174,7 +174,10 @@ def free_symmetric_memory(*arrays: Any) -> None:
         control = _control()
         records, error = [], None
         for i, array in enumerate(arrays):
-            rec, err = _lookup(array)
+            try:
+                rec, err = _lookup(array)
+            except Exception as exc:  # reported to all ranks, never raised alone
+                rec, err = None, f"{type(exc).__name__}: {exc}"
             if err is not None:
                 error = f"argument {i}: {err}"
                 break

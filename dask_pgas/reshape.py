@@ -176,8 +176,7 @@ class Reshape:
                 raise UnsupportedOperandError(
                     "a non-contiguous GPU operand cannot be reshaped in place; pass a contiguous symmetric array"
                 )
-        except (BackendUnavailableError, DistributionError, UnsupportedOperandError, SymmetricMemoryError,
-                TypeError, ValueError) as exc:
+        except Exception as exc:  # every local failure is reported to all ranks, never raised alone
             desc["error"] = (type(exc).__name__, str(exc))
         return desc, engine
 
@@ -262,7 +261,7 @@ class Reshape:
                 raise SymmetricMemoryError(
                     "new operand must " + ("" if self._symmetric else "not ") + "be symmetric memory, like the first"
                 )
-        except (UnsupportedOperandError, SymmetricMemoryError) as exc:
+        except Exception as exc:  # reported to all ranks, never raised alone
             error = (type(exc).__name__, str(exc))
         _raise_first([{"error": e} for e in self._engine.control.allgather(error)])
         self._operand = self._conform(operand)
