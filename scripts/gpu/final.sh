@@ -3,7 +3,9 @@
 #   1: carry [".gpu-stage/part-aa", ".gpu-stage/SHA256SUMS", ".whl"]   bash scripts/gpu/final.sh upload
 #   2: carry [".gpu-stage/part-ab"]                                      bash scripts/gpu/final.sh upload
 #   3: carry [".gpu-stage/part-ac"]                                      bash scripts/gpu/final.sh run
-#      (or "rerun": only the 1- and 2-worker demos and the NumPy core suite)
+#      (or "rerun": only the 1- and 2-worker demos and the NumPy core suite; or "mps": what is still unrun:
+#       4 PEs without MPS, the core suite / gpu_checks / benchmark at 2 and 4 PEs under MPS, the Dask suite
+#       on 4 GPU workers)
 # Phase 1 runs correctness jobs side by side (they share the GPU); phase 2 runs the timed jobs one at a time.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/stage /tmp/site
@@ -41,6 +43,28 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$S"
 python3 -c "import dask, distributed; from dask_pgas.engines.nvshmem import NVSHMEMEngine as E; print('dask', dask.__version__, 'unavailable_reason:', E.unavailable_reason())" >>"$S" 2>&1
 MPIRUN="mpirun --bind-to none"
+SUITE=tests/mpi/programs/reshape_suite.py
+if [ "${1:-run}" = mps ]; then  # what issue 3 still needs: the core suite and benchmark with MPS, 4 PEs without
+  for np_ in 4; do
+    step "numpy suite np=$np_" 90 "$OUT/suite.log" $MPIRUN -n $np_ python3 $SUITE --backend nvshmem --package numpy --examples 10
+    step "gpu_checks np=$np_" 100 "$OUT/suite.log" $MPIRUN -n $np_ python3 tests/gpu/programs/gpu_checks.py
+  done
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  trap 'echo quit | nvidia-cuda-mps-control >/dev/null 2>&1' EXIT
+  nvidia-cuda-mps-control -d && echo "MPS started" >>"$S"
+  for np_ in 2 4; do
+    export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / np_))
+    for pkg in cupy torch numpy; do
+      step "MPS core suite np=$np_ $pkg" 90 "$OUT/mps.log" $MPIRUN -n $np_ python3 $SUITE --backend nvshmem --package $pkg --examples 10
+    done
+    step "MPS gpu_checks np=$np_" 100 "$OUT/mps.log" $MPIRUN -n $np_ python3 tests/gpu/programs/gpu_checks.py
+    step "MPS bench np=$np_" 60 "$OUT/bench.log" $MPIRUN -n $np_ python3 benchmarks/bench_gpu_reshape.py
+  done
+  step "dask suite, 4 GPU workers" 200 "$OUT/dask4.log" env DASK_PGAS_TEST_GPU_WORKERS=4 python3 -m pytest -q -p no:cacheprovider -x tests/dask/test_rechunk.py
+  grep -h "^BENCH" "$OUT/bench.log" >>"$S" 2>/dev/null; grep -h "passed\|failed" "$OUT"/dask4.log >>"$S" 2>/dev/null
+  echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
+fi
 if [ "${1:-run}" = rerun ]; then  # the short second round: the 1-worker demo and the NumPy suite
   step "demo 1 GPU worker, S1 512MiB" 110 "$OUT/demo1.log" python3 -m dask_pgas.cli demo --size 512MiB --workers 1 --repeats 3
   step "numpy suite np=2 (trace)" 50 "$OUT/numpy.log" env DASK_PGAS_TEST_DUMP_AFTER=40 $MPIRUN -n 2 python3 tests/mpi/programs/reshape_suite.py --backend nvshmem --package numpy --examples 15
