@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
-__all__ = ["LibraryNotFound", "extra_hint", "find_in_site_packages"]
+__all__ = ["LazyLibrary", "LibraryNotFound", "extra_hint", "find_in_site_packages"]
+
+T = TypeVar("T")
 
 
 class LibraryNotFound(ImportError):
@@ -37,3 +42,25 @@ def find_in_site_packages(relpaths: list[str], env: str | None = None) -> str | 
                 # the real path: the same library reached through a symlinked folder must not load twice
                 return os.path.realpath(cand)
     return None
+
+
+class LazyLibrary(Generic[T]):
+    """A library wrapper built on first call, once per process (thread-safe); ``reset()`` forgets it (tests)."""
+
+    def __init__(self, factory: Callable[[str], T], find: Callable[[], str | None], missing: str) -> None:
+        self._factory, self._find, self._missing = factory, find, missing
+        self._lock = threading.Lock()
+        self._instance: T | None = None
+
+    def __call__(self) -> T:
+        with self._lock:
+            if self._instance is None:
+                path = self._find()
+                if path is None:
+                    raise LibraryNotFound(f"{self._missing}; {extra_hint()}")
+                self._instance = self._factory(path)
+            return self._instance
+
+    def reset(self) -> None:
+        with self._lock:
+            self._instance = None

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import ctypes
 import os
-import threading
 from collections.abc import Sequence
 
-from . import LibraryNotFound, extra_hint, find_in_site_packages
+from . import LazyLibrary, LibraryNotFound, extra_hint, find_in_site_packages
 from . import nvshmem as _nvshmem
 
 __all__ = ["CUFFT_COMM_NONE", "CuFFTMp", "CuFFTMpError", "library_path", "load"]
@@ -117,19 +116,8 @@ class CuFFTMp:
         self._check(self.lib.cufftMpDestroyReshape(ctypes.c_void_p(handle)), "cufftMpDestroyReshape")
 
 
-_lock = threading.Lock()
-_instance: CuFFTMp | None = None
-
-
-def load() -> CuFFTMp:
-    global _instance
-    with _lock:
-        if _instance is None:
-            path = library_path()
-            if path is None:
-                raise LibraryNotFound(
-                    "cuFFTMp (libcufftMp.so.12 from nvidia-cufftmp-cu13, or libcufftMp.so.11 from "
-                    f"nvidia-cufftmp-cu12) was not found; {extra_hint()}"
-                )
-            _instance = CuFFTMp(path)
-        return _instance
+#: the cuFFTMp library, loaded on first use
+load = LazyLibrary(
+    CuFFTMp, library_path,
+    "cuFFTMp (libcufftMp.so.12 from nvidia-cufftmp-cu13, or libcufftMp.so.11 from nvidia-cufftmp-cu12) was not found",
+)

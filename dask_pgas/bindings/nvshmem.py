@@ -11,7 +11,7 @@ import ctypes
 import os
 import threading
 
-from . import LibraryNotFound, extra_hint, find_in_site_packages
+from . import LazyLibrary, LibraryNotFound, extra_hint, find_in_site_packages
 
 __all__ = [
     "ATTR_SIZE",
@@ -68,8 +68,6 @@ def library_path() -> str | None:
     )
 
 
-_lock = threading.RLock()
-_instance: NVSHMEM | None = None
 
 
 class NVSHMEM:
@@ -198,16 +196,9 @@ class NVSHMEM:
             self.lib.nvshmem_quiet()
 
 
-def load() -> NVSHMEM:
-    """The NVSHMEM host library (loaded once per process)."""
-    global _instance
-    with _lock:
-        if _instance is None:
-            path = library_path()
-            if path is None:
-                raise LibraryNotFound(
-                    "the NVSHMEM host library libnvshmem_host.so.3 was not found (package nvidia-nvshmem-cu13 or "
-                    f"-cu12, folder nvidia/nvshmem/lib); {extra_hint()}"
-                )
-            _instance = NVSHMEM(path)
-        return _instance
+#: the NVSHMEM host library, loaded on first use
+load = LazyLibrary(
+    NVSHMEM, library_path,
+    "the NVSHMEM host library libnvshmem_host.so.3 was not found (package nvidia-nvshmem-cu13 or -cu12, "
+    "folder nvidia/nvshmem/lib)",
+)

@@ -168,8 +168,8 @@ def test_missing_libraries_messages(monkeypatch, tmp_path):
     monkeypatch.setattr("sys.path", [str(tmp_path)])
     monkeypatch.delenv("DASK_PGAS_NVSHMEM_LIB", raising=False)
     monkeypatch.delenv("DASK_PGAS_CUFFTMP_LIB", raising=False)
-    monkeypatch.setattr(nvshmem, "_instance", None)
-    monkeypatch.setattr(cufftmp, "_instance", None)
+    nvshmem.load.reset()
+    cufftmp.load.reset()
     with pytest.raises(bindings.LibraryNotFound, match=r"libnvshmem_host.so.3.*cuda13"):
         nvshmem.load()
     with pytest.raises(ImportError, match=r"cuFFTMp.*dask_pgas\[cuda1"):
