@@ -10,13 +10,14 @@ These are the only modules of dask_pgas that import :mod:`ctypes`. Every loader 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-__all__ = ["LazyLibrary", "LibraryNotFound", "extra_hint", "find_in_site_packages"]
+__all__ = ["LazyLibrary", "LibraryNotFound", "extra_hint", "find_in_site_packages", "open_library"]
 
 T = TypeVar("T")
 
@@ -64,3 +65,19 @@ class LazyLibrary(Generic[T]):
     def reset(self) -> None:
         with self._lock:
             self._instance = None
+
+
+def open_library(path: str, mode: int, what: str, signatures: dict, need: str) -> ctypes.CDLL:
+    """``ctypes.CDLL(path, mode)`` with ``restype``/``argtypes`` set from ``signatures`` (name -> (restype,
+    argtypes)); a library that does not load or lacks a symbol raises :class:`LibraryNotFound` naming it."""
+    try:
+        lib = ctypes.CDLL(path, mode=mode)
+    except OSError as exc:
+        raise LibraryNotFound(f"cannot load {what} {path}: {exc}; {extra_hint()}") from None
+    for name, (restype, argtypes) in signatures.items():
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            raise LibraryNotFound(f"symbol {name} is missing from {path}: {need} ({extra_hint()})") from None
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib

@@ -13,7 +13,7 @@ import ctypes
 import os
 from collections.abc import Sequence
 
-from . import LazyLibrary, LibraryNotFound, extra_hint, find_in_site_packages
+from . import LazyLibrary, find_in_site_packages, open_library
 from . import nvshmem as _nvshmem
 
 __all__ = ["CUFFT_COMM_NONE", "CuFFTMp", "CuFFTMpError", "library_path", "load"]
@@ -53,29 +53,17 @@ class CuFFTMp:
     def __init__(self, path: str) -> None:
         _nvshmem.load()  # the NVSHMEM host library must be in the process first (RTLD_GLOBAL)
         mode = os.RTLD_NOW | os.RTLD_LOCAL | getattr(os, "RTLD_DEEPBIND", 0)
-        try:
-            self.lib = ctypes.CDLL(path, mode=mode)
-        except OSError as exc:
-            raise LibraryNotFound(f"cannot load cuFFTMp {path}: {exc}; {extra_hint()}") from None
-        self.path = path
         vp, c_int, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
         p_ll = ctypes.POINTER(ctypes.c_longlong)
         sigs = {
-            "cufftMpCreateReshape": [ctypes.POINTER(vp)],
-            "__cufftMpMakeReshape_11_4": [vp, sz, c_int, p_ll, p_ll, p_ll, p_ll, p_ll, p_ll, vp, c_int],
-            "cufftMpGetReshapeSize": [vp, ctypes.POINTER(sz)],
-            "cufftMpExecReshapeAsync": [vp, vp, vp, vp, vp],
-            "cufftMpDestroyReshape": [vp],
+            "cufftMpCreateReshape": (c_int, [ctypes.POINTER(vp)]),
+            "__cufftMpMakeReshape_11_4": (c_int, [vp, sz, c_int, p_ll, p_ll, p_ll, p_ll, p_ll, p_ll, vp, c_int]),
+            "cufftMpGetReshapeSize": (c_int, [vp, ctypes.POINTER(sz)]),
+            "cufftMpExecReshapeAsync": (c_int, [vp, vp, vp, vp, vp]),
+            "cufftMpDestroyReshape": (c_int, [vp]),
         }
-        for name, args in sigs.items():
-            try:
-                fn = getattr(self.lib, name)
-            except AttributeError:
-                raise LibraryNotFound(
-                    f"symbol {name} is missing from {path}: cuFFTMp >= 11.4 is needed ({extra_hint()})"
-                ) from None
-            fn.argtypes = args
-            fn.restype = c_int
+        self.lib = open_library(path, mode, "cuFFTMp", sigs, "cuFFTMp >= 11.4 is needed")
+        self.path = path
         self._make = getattr(self.lib, "__cufftMpMakeReshape_11_4")
 
     @staticmethod

@@ -11,7 +11,7 @@ import ctypes
 import os
 import threading
 
-from . import LazyLibrary, LibraryNotFound, extra_hint, find_in_site_packages
+from . import LazyLibrary, find_in_site_packages, open_library
 
 __all__ = [
     "ATTR_SIZE",
@@ -74,12 +74,6 @@ class NVSHMEM:
     """The loaded host library. Methods raise RuntimeError on a failing return code."""
 
     def __init__(self, path: str) -> None:
-        mode = os.RTLD_NOW | os.RTLD_GLOBAL
-        try:
-            self.lib = ctypes.CDLL(path, mode=mode)
-        except OSError as exc:
-            raise LibraryNotFound(f"cannot load NVSHMEM host library {path}: {exc}; {extra_hint()}") from None
-        self.path = path
         vp, c_int, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
         sigs = {
             "nvshmemx_get_uniqueid": (c_int, [ctypes.POINTER(UniqueId)]),
@@ -102,15 +96,9 @@ class NVSHMEM:
             "nvshmem_quiet": (None, []),
             "nvshmemx_vendor_get_version_info": (None, [ctypes.POINTER(c_int)] * 3),
         }
-        for name, (res, args) in sigs.items():
-            try:
-                fn = getattr(self.lib, name)
-            except AttributeError:
-                raise LibraryNotFound(
-                    f"symbol {name} is missing from {path}; a newer nvidia-nvshmem is needed ({extra_hint()})"
-                ) from None
-            fn.restype = res
-            fn.argtypes = args
+        self.lib = open_library(path, os.RTLD_NOW | os.RTLD_GLOBAL, "NVSHMEM host library", sigs,
+                                "a newer nvidia-nvshmem is needed")
+        self.path = path
         self.lock = threading.RLock()
 
     # -- bootstrap -------------------------------------------------------------------------------------------

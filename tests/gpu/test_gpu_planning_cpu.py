@@ -381,3 +381,19 @@ def test_unpackable_without_peer_access_is_a_clear_error(monkeypatch):
     outs = (Box((0, 0), (2, 5)), Box((2, 0), (4, 5)))
     with pytest.raises(UnsupportedOperandError, match="cannot be packed"):
         eng.plan_reshape(ReshapeSpec(ins, outs, np.dtype("i1"), "C", 0))
+
+
+def test_open_library_sets_signatures_and_names_what_is_missing():
+    import ctypes
+    import ctypes.util
+    import os
+
+    from dask_pgas.bindings import LibraryNotFound, open_library
+
+    libc = ctypes.util.find_library("c") or "libc.so.6"
+    lib = open_library(libc, os.RTLD_NOW, "libc", {"strlen": (ctypes.c_size_t, [ctypes.c_char_p])}, "a libc")
+    assert lib.strlen(b"abcd") == 4
+    with pytest.raises(LibraryNotFound, match=r"symbol no_such_symbol_xyz is missing .*newer.*cuda13"):
+        open_library(libc, os.RTLD_NOW, "libc", {"no_such_symbol_xyz": (None, [])}, "a newer libc")
+    with pytest.raises(LibraryNotFound, match=r"cannot load foo /nonexistent/libfoo.so"):
+        open_library("/nonexistent/libfoo.so", os.RTLD_NOW, "foo", {}, "")
