@@ -455,23 +455,32 @@ class PGASWorkerPlugin(WorkerPlugin):
         in_buf = self._buffer("in", max_in, sym_pkg)  # grown collectively, same sizes everywhere
         out_buf = self._buffer("out", max_out, sym_pkg) if symmetric else None
 
-        # -- pack: the owner's chunk pieces -> its input box (zero copy when one C-contiguous chunk is the box)
-        src = None
-        if not symmetric and len(pieces) == 1:
-            chunk_slices, box_slices = pieces[0]
-            view = arrays[0][chunk_slices]
-            if view.shape == in_box.shape and view.dtype == dtype and view.flags.c_contiguous:
-                src = view
-        if src is None:
-            src = in_buf[: in_box.size * dtype.itemsize].view(dtype).reshape(in_box.shape)
-            for (chunk_slices, box_slices), arr in zip(pieces, arrays):
-                src[box_slices] = arr[chunk_slices]
+        # -- pack: the owner's chunk pieces -> its input box (zero copy when one C-contiguous chunk is the box),
+        #    and the output box. Local work: a failure here (a chunk of the wrong dtype, no memory) is agreed on
+        #    below, so no PE enters the collective while another has given up.
+        local_error = None
+        try:
+            src = None
+            if not symmetric and len(pieces) == 1:
+                chunk_slices, box_slices = pieces[0]
+                view = arrays[0][chunk_slices]
+                if view.shape == in_box.shape and view.dtype == dtype and view.flags.c_contiguous:
+                    src = view
+            if src is None:
+                src = in_buf[: in_box.size * dtype.itemsize].view(dtype).reshape(in_box.shape)
+                for (chunk_slices, box_slices), arr in zip(pieces, arrays):
+                    src[box_slices] = arr[chunk_slices]
+            if symmetric:
+                dst = out_buf[: out_box.size * dtype.itemsize].view(dtype).reshape(out_box.shape)
+            else:
+                dst = (self._pool.empty(out_box.shape, dtype) if spec.package == "numpy"
+                       else engine.empty(out_box.shape, dtype, spec.package))
+        except Exception as exc:
+            local_error = f"{type(exc).__name__}: {exc}"
+        errors = [(r, e) for r, e in enumerate(control.allgather(local_error)) if e]
+        if errors:
+            raise _RunError("; ".join(f"PE {r}: {e}" for r, e in errors))
         # -- the one collective
-        if symmetric:
-            dst = out_buf[: out_box.size * dtype.itemsize].view(dtype).reshape(out_box.shape)
-        else:
-            dst = (self._pool.empty(out_box.shape, dtype) if spec.package == "numpy"
-                   else engine.empty(out_box.shape, dtype, spec.package))
         plan = self._plan(engine, spec)
         t1 = time.perf_counter()
         plan.execute(src, dst)

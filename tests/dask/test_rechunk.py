@@ -219,3 +219,19 @@ def test_empty_and_zero_size_chunks(client):
     ref = _reference((10, 6), "float64")
     x = on_device(da.from_array(ref, chunks=((5, 0, 5), (6,))))
     np.testing.assert_array_equal(host(dask_pgas.rechunk(x, ((2, 8), (3, 0, 3))).compute()), ref)
+
+
+def test_bad_chunk_on_one_pe_fails_the_run_not_the_world(client):
+    """A local failure while packing (here a chunk smaller than its declared shape) is agreed on by every PE
+    before the collective: the rechunk raises, no PE is left waiting, and the world stays usable."""
+    ref = _reference((60, 30), "float64")
+    x = on_device(da.from_array(ref, chunks=(20, 30)))
+
+    def shrink_first(block, block_info=None):
+        return block[:-1] if block_info[0]["chunk-location"][0] == 0 else block
+
+    bad = x.map_blocks(shrink_first, dtype=x.dtype)  # lies about the shape of its first chunk
+    with pytest.raises(Exception, match="ValueError"):
+        dask_pgas.rechunk(bad, (60, 10)).compute()
+    assert dask_pgas.world(client).broken is None
+    np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (60, 10)).compute()), ref)
