@@ -233,7 +233,9 @@ class PGASWorkerPlugin(WorkerPlugin):
                 f"the output of {name} is not on {self.worker.address}; it was released or the world was "
                 "re-bootstrapped: compute the rechunk again"
             ) from None
-        return result if whole else result[box_slices].copy()
+        # a view: the box is this run's own array (results never alias the symmetric buffers), so a copy per
+        # chunk would only double the memory traffic; the box's memory goes back to the pool with its last chunk
+        return result if whole else result[box_slices]
 
     # ---------------------------------------------------------------- handlers (event loop)
     def heap_bytes(self) -> int:
