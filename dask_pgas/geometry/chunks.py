@@ -12,7 +12,9 @@ target grid into one output Box per PE, so that a single collective reshape move
   than PEs), so every PE takes part in moving the data;
 * owner awareness: when the location (PE) of input chunks is known, candidate input boxes are matched to the
   PEs that already hold most of their bytes, and output boxes to the PEs whose input box overlaps them most,
-  so data already in place is neither moved by Dask first nor sent over the network.
+  so data already in place is neither moved by Dask first nor sent over the network;
+* local plans: when the input boxes also fall on output chunk boundaries they are the output boxes too, so no
+  element changes PE (``ChunkPlan.is_local``, always so with one PE) and no collective is needed.
 
 Pure Python + NumPy (and dask.array's pure chunk helpers): no MPI, CUDA or distributed imports.
 """
@@ -28,7 +30,9 @@ import numpy as np
 
 from ..distribution import Box
 
-__all__ = ["ChunkPlan", "InputPiece", "OutputPiece", "bisect_boxes", "match_owners", "plan_chunks"]
+__all__ = [
+    "ChunkPlan", "InputPiece", "OutputPiece", "bisect_boxes", "chunk_sources", "match_owners", "plan_chunks",
+]
 
 Chunks = tuple[tuple[int, ...], ...]
 Index = tuple[int, ...]
@@ -73,6 +77,11 @@ class ChunkPlan:
     def output_owner(self) -> dict[Index, int]:
         """Output chunk index -> PE (only non-empty chunks)."""
         return {p.index: pe for pe, pieces in enumerate(self.outputs) for p in pieces}
+
+    @property
+    def is_local(self) -> bool:
+        """No element changes PE: every PE's output box is its input box (always so with one PE)."""
+        return self.moved_elements() == 0
 
     def moved_elements(self) -> int:
         """Elements that change PE (what crosses the network)."""
@@ -174,6 +183,16 @@ def match_owners(weights: np.ndarray) -> list[int]:
     return pe_to_box
 
 
+def _aligned(box: Box, bounds: list[np.ndarray]) -> bool:
+    """Whether every face of ``box`` lies on a chunk boundary (``bounds`` from :func:`_bounds`)."""
+    if box.is_empty:
+        return True
+    return all(
+        int(b[np.searchsorted(b, lo)]) == lo and int(b[np.searchsorted(b, up)]) == up
+        for b, lo, up in zip(bounds, box.lower, box.upper)
+    )
+
+
 def _axis_pieces(axis_chunks: tuple[int, ...], lo: int, up: int) -> list[tuple[int, slice]]:
     """(chunk index, slice of that chunk) of the chunks along one axis that intersect ``[lo, up)``."""
     from dask.array.rechunk import old_to_new
@@ -238,7 +257,7 @@ def _plan_cached(chunks_in: Chunks, chunks_out: Chunks, npes: int, locs: tuple) 
         shape_ax = [1] * len(chunks_in)
         shape_ax[ax] = len(c)
         sizes = sizes * np.asarray(c, dtype=np.float64).reshape(shape_ax)
-    bounds_in = _bounds(chunks_in)
+    bounds_in, bounds_out = _bounds(chunks_in), _bounds(chunks_out)
     best = None
     candidates = (None, *range(len(shape))) if npes <= 64 else (None,)
     for prefer in candidates:
@@ -259,20 +278,24 @@ def _plan_cached(chunks_in: Chunks, chunks_out: Chunks, npes: int, locs: tuple) 
         order = match_owners(weights)
         local = sum(weights[order[pe], pe] for pe in range(npes))
         boxes = [boxes[k] for k in order]
-        overlap = np.zeros((npes, npes))
-        for k, ob in enumerate(out_boxes):
-            for pe, ib in enumerate(boxes):
-                common = ob.intersection(ib)
-                if common is not None:
-                    overlap[k, pe] = common.size
-        out_order = match_owners(overlap)
-        stay = sum(overlap[out_order[pe], pe] for pe in range(npes))
+        if all(_aligned(b, bounds_out) for b in boxes):
+            # the input boxes are output-chunk-aligned too: they are the output boxes, nothing crosses PEs
+            outs, stay = list(boxes), float(math.prod(shape))
+        else:
+            overlap = np.zeros((npes, npes))
+            for k, ob in enumerate(out_boxes):
+                for pe, ib in enumerate(boxes):
+                    common = ob.intersection(ib)
+                    if common is not None:
+                        overlap[k, pe] = common.size
+            out_order = match_owners(overlap)
+            stay = sum(overlap[out_order[pe], pe] for pe in range(npes))
+            outs = [out_boxes[k] for k in out_order]
         score = (local, stay, prefer is None)
         if best is None or score > best[0]:
-            best = (score, boxes, out_order)
-    _, in_boxes, out_order = best
+            best = (score, boxes, outs)
+    _, in_boxes, out_boxes = best
     in_pieces = [_box_pieces(chunks_in, b) for b in in_boxes]
-    out_boxes = [out_boxes[k] for k in out_order]
     inputs = tuple(tuple(InputPiece(i, cs, bs) for i, cs, bs in pieces) for pieces in in_pieces)
     outputs = []
     for ob in out_boxes:
@@ -300,3 +323,29 @@ def empty_chunks(chunks: Chunks) -> list[Index]:
     sizes = [np.asarray(c) for c in chunks]
     return [idx for idx in np.ndindex(*(len(c) for c in chunks)) if any(sizes[a][i] == 0 for a, i in enumerate(idx))]
 
+
+
+def chunk_sources(chunks_in: Chunks, chunks_out: Chunks):
+    """For every output chunk (C order): ``(index, [(input index, input chunk slices, output chunk slices)])``.
+
+    Dask's own ``old_to_new`` intersection per axis; zero-width pieces are left out.
+    """
+    import itertools
+
+    from dask.array.rechunk import old_to_new
+
+    per_axis = []
+    for axis in old_to_new(chunks_in, chunks_out):
+        lists = []
+        for pieces in axis:
+            placed, pos = [], 0
+            for i, s in pieces:
+                width = s.stop - s.start
+                if width:
+                    placed.append((i, s, slice(pos, pos + width)))
+                pos += width
+            lists.append(placed)
+        per_axis.append(lists)
+    for index in np.ndindex(*(len(c) for c in chunks_out)):
+        parts = itertools.product(*(per_axis[ax][i] for ax, i in enumerate(index)))
+        yield index, [tuple(zip(*part)) for part in parts]

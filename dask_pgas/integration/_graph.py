@@ -1,5 +1,10 @@
 """The task graph of one pgas rechunk: P transfer tasks, one barrier, one output task per output chunk.
 
+When no element changes PE (``ChunkPlan.is_local``: one PE, or output boxes that are the input boxes) there is
+nothing to exchange: :func:`build_local_graph` makes one pinned task per output chunk that builds it straight
+from its PE's input chunks (one copy, or a view when the chunk lies inside one input chunk), with no
+collective, no symmetric staging and no barrier round trip through the scheduler.
+
 Transfer and output tasks are :class:`PinnedTask` (a ``Task`` subclass that blocks fusion and carries its PE);
 the scheduler plugin pins them to the PE's worker in ``update_graph``. Transfer tasks only stage references.
 The scheduler starts the collective the moment the last transfer task is in memory (see ``_scheduler_plugin``);
@@ -77,6 +82,21 @@ def output(name: str, pe: int, epoch: int, box_slices: tuple, whole: bool, run: 
     return get_plugin().take(name, pe, epoch, box_slices, whole)
 
 
+def assemble(pe: int, epoch: int, shape: tuple, pieces: tuple, *arrays: Any) -> Any:
+    """On PE ``pe``: an output chunk built from input chunk pieces that are already on this PE (local plan)."""
+    import numpy as np
+
+    get_plugin().check(pe, epoch)
+    if len(pieces) == 1:
+        view = arrays[0][pieces[0][0]]
+        if view.shape == tuple(shape):
+            return view
+    out = np.empty_like(arrays[0], shape=shape)
+    for (chunk_slices, out_slices), arr in zip(pieces, arrays):
+        out[out_slices] = arr[chunk_slices]
+    return out
+
+
 def empty_chunk(meta: Any, shape: tuple) -> Any:
     import numpy as np
     from dask.array.utils import meta_from_array
@@ -112,4 +132,23 @@ def build_graph(x, plan, name: str, epoch: int, spec: RunSpec) -> dict:
             key = (name, *index)
             shape = tuple(plan.chunks_out[a][i] for a, i in enumerate(index))
             dsk[key] = Task(key, empty_chunk, x._meta, shape)
+    return dsk
+
+
+def build_local_graph(x, plan, name: str, epoch: int) -> dict:
+    """Tasks of a pgas rechunk whose ``plan`` moves nothing between PEs: one pinned task per output chunk."""
+    from ..geometry.chunks import chunk_sources
+
+    owner = plan.output_owner()
+    dsk: dict = {}
+    for index, pieces in chunk_sources(plan.chunks_in, plan.chunks_out):
+        key = (name, *index)
+        shape = tuple(plan.chunks_out[a][i] for a, i in enumerate(index))
+        pe = owner.get(index)
+        if pe is None or not pieces:  # chunks without elements
+            dsk[key] = Task(key, empty_chunk, x._meta, shape)
+            continue
+        refs = [TaskRef((x.name, *src)) for src, _, _ in pieces]
+        slices = tuple((chunk_slices, out_slices) for _, chunk_slices, out_slices in pieces)
+        dsk[key] = PinnedTask(key, assemble, pe, epoch, shape, slices, *refs, pe=pe, epoch=epoch, npes=plan.npes)
     return dsk

@@ -20,6 +20,10 @@
                     │          │
                     └─────► output(chunk) <- barrier, pinned to its owner: slice of the output Box ──► y[i,j]
 
+When no element changes PE (one PE, or output boxes equal to the input boxes) the graph is one pinned task per
+output chunk built straight from the PE's input chunks: no collective, no staging, no barrier (config
+``pgas.local-rechunk``).
+
 Planning (``dask_pgas.geometry.chunks``) turns the input grid into one input Box per PE and the output grid
 into one chunk-aligned output Box per PE; the scheduler plugin pins tasks, orders collectives and fails them
 when a member leaves. Cases the collective cannot do follow ``pgas.fallback``.
@@ -130,7 +134,7 @@ def rechunk(
     from dask.highlevelgraph import HighLevelGraph
 
     from ..geometry.chunks import plan_chunks
-    from ._graph import build_graph
+    from ._graph import build_graph, build_local_graph
 
     args = (threshold, block_size_limit, balance)
     if method not in (None, "pgas"):  # same signature as Array.rechunk: other methods are Dask's
@@ -179,9 +183,13 @@ def rechunk(
     npes = len(world["workers"])
     plan = plan_chunks(x.chunks, chunks, npes, world["locations"])
     spec = RunSpec(plan.input_boxes, plan.output_boxes, x.dtype.str, package, float(_delay))
-    token = tokenize(x, chunks, "pgas", world["epoch"], npes, spec)
+    local = plan.is_local and not _delay and bool(dask.config.get("pgas.local-rechunk", True))
+    token = tokenize(x, chunks, "pgas", world["epoch"], npes, spec, local)
     name = f"pgas-rechunk-{token}"
-    dsk = build_graph(x, plan, name, world["epoch"], spec)
+    if local:
+        dsk = build_local_graph(x, plan, name, world["epoch"])
+    else:
+        dsk = build_graph(x, plan, name, world["epoch"], spec)
     with _owners_lock:
         _owners[name] = plan.output_owner()
         while len(_owners) > 64:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dask_pgas.geometry.chunks import bisect_boxes, plan_chunks
+from dask_pgas.geometry.chunks import bisect_boxes, chunk_sources, plan_chunks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -69,9 +69,36 @@ def test_plan_tiles_and_aligns(grid, npes, data):
     nonempty = [i for i in itertools.product(*(range(len(c)) for c in chunks_out))
                 if all(chunks_out[a][k] for a, k in enumerate(i))]
     assert sorted(owner) == sorted(nonempty)
+    # a plan is local (no collective) exactly when every PE keeps its box; always so with one PE
+    assert plan.is_local == all(i == o or (i.is_empty and o.is_empty)
+                                for i, o in zip(plan.input_boxes, plan.output_boxes))
+    assert plan.is_local or npes > 1
     # every PE takes part in the input when there are enough elements
     if math.prod(shape) >= npes and max(shape) >= npes:
         assert sum(not b.is_empty for b in plan.input_boxes) >= min(npes, 2)
+
+
+@settings(max_examples=100, deadline=None)
+@given(grids())
+def test_chunk_sources_rebuild_every_output_chunk(grid):
+    chunks_in, chunks_out = grid
+    shape = tuple(sum(c) for c in chunks_in)
+    ref = np.arange(math.prod(shape)).reshape(shape)
+    starts_in = [np.concatenate(([0], np.cumsum(c))) for c in chunks_in]
+    starts_out = [np.concatenate(([0], np.cumsum(c))) for c in chunks_out]
+
+    def block(starts, chunks, index):
+        return tuple(slice(int(st[i]), int(st[i]) + c[i]) for st, c, i in zip(starts, chunks, index))
+
+    seen = 0
+    for index, pieces in chunk_sources(chunks_in, chunks_out):
+        seen += 1
+        want = ref[block(starts_out, chunks_out, index)]
+        got = np.full(want.shape, -1)
+        for src, chunk_slices, out_slices in pieces:
+            got[out_slices] = ref[block(starts_in, chunks_in, src)][chunk_slices]
+        np.testing.assert_array_equal(got, want)
+    assert seen == math.prod(len(c) for c in chunks_out)
 
 
 def test_regular_slabs_are_one_chunk_each():
@@ -109,6 +136,12 @@ def test_output_boxes_follow_input_boxes():
     chunks = ((5, 5, 5), (4, 4))
     plan = plan_chunks(chunks, chunks, 3)
     assert plan.moved_elements() == 0
+    # output chunks inside each PE's input slab, even where the output grid alone would be cut otherwise
+    n, p = 120, 3
+    plan = plan_chunks(((n,), (n // p,) * p), ((n // 4, n // 4, n // 2), (n // p,) * p), p)
+    assert plan.is_local and plan.output_boxes == plan.input_boxes
+    # one PE: always local
+    assert plan_chunks(((7, 3), (5,)), ((2, 8), (1, 4)), 1).is_local
 
 
 def test_16k_chunks_plan_fast():

@@ -39,7 +39,8 @@ def cases(draw):
     dtype = draw(st.sampled_from(DTYPES))
     cin = tuple(_chunks_for(draw, n) for n in shape)
     cout = tuple(_chunks_for(draw, n) for n in shape)
-    return shape, np.dtype(dtype), cin, cout
+    local = draw(st.booleans())  # pgas.local-rechunk: False sends even local plans through the collective
+    return shape, np.dtype(dtype), cin, cout, local
 
 
 def _reference(shape, dtype, seed=0):
@@ -50,10 +51,11 @@ def _reference(shape, dtype, seed=0):
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=cases())
 def test_matches_numpy(client, case):
-    shape, dtype, cin, cout = case
+    shape, dtype, cin, cout, local = case
     ref = _reference(shape, dtype)
     x = on_device(da.from_array(ref, chunks=cin))
-    y = dask_pgas.rechunk(x, cout)
+    with dask.config.set({"pgas.local-rechunk": local}):
+        y = dask_pgas.rechunk(x, cout)
     assert y.chunks == cout
     assert y.dtype == dtype and type(y._meta) is chunk_type()
     out = y.compute()
@@ -111,6 +113,33 @@ def test_output_chunks_on_owner_and_no_transfer_of_placed_input(client):
     again = client.run(lambda dask_worker: sum(e["total"] for e in dask_worker.transfer_incoming_log))
     assert sum(again.values()) - sum(after.values()) < 10_000
     np.testing.assert_array_equal(host(z.compute()), host(x.compute()))
+
+
+def _runs(client) -> int:
+    return sum(client.run(lambda dask_worker: dask_worker.plugins["dask-pgas"].runs).values())
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_local_plan_needs_no_collective(client, local):
+    """Each PE's output chunks lie inside its own input slab: nothing crosses PEs, so by default no collective
+    runs and Dask moves nothing; the output chunks are built on the PE that holds the slab."""
+    p = dask_pgas.world(client).npes
+    n = 40 * p
+    ref = _reference((n, n), "float64")
+    x = on_device(da.from_array(ref, chunks=(n, n // p))).persist()
+    wait(x)
+    slab_on = {k[2]: next(iter(v)) for k, v in client.who_has(x).items()}
+    runs = _runs(client)
+    before = client.run(lambda dask_worker: sum(e["total"] for e in dask_worker.transfer_incoming_log))
+    with dask.config.set({"pgas.local-rechunk": local}):
+        y = dask_pgas.rechunk(x, ((n // 4, n // 4, n // 2), n // p)).persist()
+    wait(y)
+    after = client.run(lambda dask_worker: sum(e["total"] for e in dask_worker.transfer_incoming_log))
+    assert _runs(client) == runs + (0 if local else p)  # one run per PE
+    assert sum(after.values()) - sum(before.values()) < 10_000
+    for key, holders in client.who_has(y).items():
+        assert list(holders) == [slab_on[key[2]]]
+    np.testing.assert_array_equal(host(y.compute()), ref)
 
 
 def test_lazy_composable(client):
