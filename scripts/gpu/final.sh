@@ -32,7 +32,14 @@ if [ "${1:-run}" = upload ]; then
   ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
       --upgrade --target /tmp/site .whl/*.whl
   ls /tmp/stage /tmp/site | tr '\n' ' ' >>"$S"; echo >>"$S"
-  step "cpu planning tests" 60 "$OUT/upload.log" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_planning_cpu.py tests/unit
+  step "cpu planning tests" 90 "$OUT/upload.log" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_planning_cpu.py tests/unit tests/dask/test_chunks.py
+  cat "$S"; exit 0
+fi
+if [ "${1:-run}" = upload2 ]; then  # NVSHMEM alone (no cuFFTMp yet): unique-id bring-up at 1, 2, 4 PEs
+  for np_ in 1 2 4; do
+    rm -f /tmp/uid.bin
+    step "uid bring-up, NVSHMEM only, np=$np_" 60 "$OUT/upload2.log" mpirun --bind-to none -n $np_ python3 tests/gpu/programs/uid_checks.py /tmp/uid.bin --no-reshape
+  done
   cat "$S"; exit 0
 fi
 if [ ! -e /tmp/site/nvidia/cufftmp/cu13/lib/libcufftMp.so.12 ]; then
@@ -44,6 +51,47 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>
 python3 -c "import dask, distributed; from dask_pgas.engines.nvshmem import NVSHMEMEngine as E; print('dask', dask.__version__, 'unavailable_reason:', E.unavailable_reason())" >>"$S" 2>&1
 MPIRUN="mpirun --bind-to none"
 SUITE=tests/mpi/programs/reshape_suite.py
+if [ "${1:-run}" = part1 ]; then  # correctness side by side, then the timed jobs one at a time
+  step "pytest tests/gpu" 240 "$OUT/p1-pytest-gpu.log" python3 -m pytest -q -p no:cacheprovider tests/gpu &
+  step "dask suite, 2 GPU workers" 240 "$OUT/p1-dask2.log" env DASK_PGAS_TEST_GPU_WORKERS=2 python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py tests/dask/test_chunks.py &
+  ( step "gpu_checks np=4" 100 "$OUT/p1-engine.log" $MPIRUN -n 4 python3 tests/gpu/programs/gpu_checks.py
+    step "numpy suite np=4" 90 "$OUT/p1-engine.log" $MPIRUN -n 4 python3 $SUITE --backend nvshmem --package numpy --examples 10
+    step "core suite np=1 cupy" 60 "$OUT/p1-engine.log" $MPIRUN -n 1 python3 $SUITE --backend nvshmem --package cupy --examples 12
+    step "core suite np=2 numpy" 60 "$OUT/p1-engine.log" $MPIRUN -n 2 python3 $SUITE --backend nvshmem --package numpy --examples 12
+    step "core suite np=4 torch" 90 "$OUT/p1-engine.log" $MPIRUN -n 4 python3 $SUITE --backend nvshmem --package torch --examples 8 ) &
+  wait
+  for np_ in 1 2 4; do
+    step "bench np=$np_" 60 "$OUT/bench.log" $MPIRUN -n $np_ python3 benchmarks/bench_gpu_reshape.py
+  done
+  step "rechunk bench, 1 GPU worker" 220 "$OUT/rechunk1.log" python3 benchmarks/bench_rechunk_gpu.py --workers 1 --sizes 512MiB,4GiB,16GiB
+  step "demo (main job), 1 GPU worker, 1GiB" 120 "$OUT/demo.log" python3 -m dask_pgas.cli demo --repeats 3
+  grep -h "^BENCH" "$OUT/bench.log" >>"$S" 2>/dev/null
+  grep -h "passed\|failed\|error" "$OUT"/p1-dask2.log "$OUT"/p1-pytest-gpu.log | tail -4 >>"$S" 2>/dev/null
+  echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
+fi
+if [ "${1:-run}" = part2 ]; then  # Dask on 1/4 GPU workers, 2-worker rechunk bench, MPS block, failure test
+  step "rechunk bench, 2 GPU workers" 120 "$OUT/rechunk2.log" python3 benchmarks/bench_rechunk_gpu.py --workers 2 --sizes 512MiB,2GiB
+  step "dask suite, 1 GPU worker" 200 "$OUT/p2-dask1.log" env DASK_PGAS_TEST_GPU_WORKERS=1 python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py &
+  step "dask suite, 4 GPU workers" 240 "$OUT/p2-dask4.log" env DASK_PGAS_TEST_GPU_WORKERS=4 python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py &
+  wait
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  nvidia-cuda-mps-control -d && echo "MPS started" >>"$S"
+  for np_ in 2 4; do
+    export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / np_))
+    for pkg in cupy torch numpy; do
+      step "MPS core suite np=$np_ $pkg" 60 "$OUT/mps.log" $MPIRUN -n $np_ python3 $SUITE --backend nvshmem --package $pkg --examples 8
+    done
+    step "MPS gpu_checks np=$np_" 80 "$OUT/mps.log" $MPIRUN -n $np_ python3 tests/gpu/programs/gpu_checks.py
+    step "MPS bench np=$np_" 50 "$OUT/mps-bench.log" $MPIRUN -n $np_ python3 benchmarks/bench_gpu_reshape.py
+  done
+  echo quit | nvidia-cuda-mps-control >/dev/null 2>&1; echo "MPS stopped" >>"$S"
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
+  step "dask failure test, 3 GPU workers" 150 "$OUT/p2-failure.log" env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -p no:cacheprovider tests/dask/test_failure.py
+  grep -h "^BENCH" "$OUT/mps-bench.log" >>"$S" 2>/dev/null
+  grep -h "passed\|failed" "$OUT"/p2-*.log >>"$S" 2>/dev/null
+  echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
+fi
 if [ "${1:-run}" = mps ]; then  # what issue 3 still needs: the core suite and benchmark with MPS, 4 PEs without
   for np_ in 4; do
     step "numpy suite np=$np_" 90 "$OUT/suite.log" $MPIRUN -n $np_ python3 $SUITE --backend nvshmem --package numpy --examples 10

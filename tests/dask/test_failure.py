@@ -14,6 +14,8 @@ import dask_pgas
 from dask_pgas.errors import CollectiveError
 from dask_pgas.integration import PGASRechunkUnsupported
 
+from ._xp import BACKEND, GPU_WORKERS, host, on_device
+
 pytestmark = [pytest.mark.dask, pytest.mark.timeout(240)]
 
 
@@ -32,15 +34,16 @@ def _alive(pid: int) -> bool:
 def test_teardown_kill_and_close(capfd):
     from distributed import Client
 
-    cluster = dask_pgas.LocalMPICluster(n_workers=3, env={"DASK_PGAS__COLLECTIVE_TIMEOUT": "30s"})
+    cluster = dask_pgas.LocalMPICluster(n_workers=3, env={"DASK_PGAS__COLLECTIVE_TIMEOUT": "30s"},
+                                        backends=[BACKEND], gpus=1 if GPU_WORKERS else 0)
     pids = cluster.worker_pids()
     procs = [p.pid for p in cluster._procs]
     assert len(pids) == 3
     try:
         with Client(cluster) as client:
-            x = da.random.random((300, 300), chunks=(300, 100)).persist()
-            ref = x.compute()
-            np.testing.assert_array_equal(dask_pgas.rechunk(x, (100, 300)).compute(), ref)
+            x = on_device(da.random.random((300, 300), chunks=(300, 100))).persist()
+            ref = host(x.compute())
+            np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (100, 300)).compute()), ref)
             # -- teardown frees every symmetric buffer collectively
             held = dask_pgas.teardown(client)
             assert held and set(held.values()) == {0}
@@ -49,7 +52,7 @@ def test_teardown_kill_and_close(capfd):
                 dask_pgas.rechunk(x, (100, 300))
             w = dask_pgas.bootstrap(client)
             assert w.epoch == 2 and w.npes == 3
-            np.testing.assert_array_equal(dask_pgas.rechunk(x, (100, 300)).compute(), ref)
+            np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (100, 300)).compute()), ref)
 
             # -- kill PE 1 while the collective runs (the run sleeps 4 s inside the collective)
             victim = client.run(os.getpid, workers=[w.workers[1]])[w.workers[1]]
@@ -75,11 +78,11 @@ def test_teardown_kill_and_close(capfd):
             pids += cluster.worker_pids()
             assert dask_pgas.world(client).broken
             # the input stays computable
-            np.testing.assert_array_equal(x.rechunk((50, 300), method="tasks").compute(), ref)
+            np.testing.assert_array_equal(host(x.rechunk((50, 300), method="tasks").compute()), ref)
             # and a new world comes up on the new workers
             w3 = dask_pgas.bootstrap(client)
             assert w3.epoch == 3 and w3.broken is None and set(w3.workers) != set(w.workers)
-            np.testing.assert_array_equal(dask_pgas.rechunk(x, (50, 300)).compute(), ref)
+            np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (50, 300)).compute()), ref)
     finally:
         cluster.close()
     time.sleep(0.5)

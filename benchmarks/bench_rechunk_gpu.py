@@ -1,0 +1,157 @@
+"""End-to-end GPU rechunk (S1, CuPy chunks) beside a device-to-device copy of the same bytes, in one run.
+
+    python benchmarks/bench_rechunk_gpu.py --workers 1 --sizes 512MiB,4GiB,16GiB
+    python benchmarks/bench_rechunk_gpu.py --workers 2 --sizes 512MiB,2GiB     # two workers sharing one GPU
+
+For each size: an N x N float64 array of column slabs (chunks (N, N/k), k = max(workers, 4)), made on the GPU
+and persisted, rechunked to row slabs and back; each time is ``rechunk(...).persist()`` + ``wait`` end to end
+(graph construction included), median of ``--repeats`` after a warm-up. Rows:
+
+* ``pgas``: ``dask_pgas.rechunk`` as configured (one worker: a local plan, no collective);
+* ``pgas-collective``: the same with ``pgas.local-rechunk: False`` (through the engine's staging buffers and
+  plan; skipped where the staging would not fit in ``--heap-limit``);
+* ``tasks``: Dask's own rechunk (sizes up to ``--tasks-limit``);
+* ``dask-floor``: ``x.map_blocks(identity).persist()`` on the same chunks (Dask's fixed cost, no data moved);
+* ``copy``: one ``cupy`` device-to-device copy of each worker's share (CUDA events, median of 5).
+
+Prints a table and one ``BENCH`` JSON line per size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import uuid
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_rechunk import time_method
+
+
+def _random_block(block_info=None):
+    import cupy
+
+    info = block_info[None]
+    rng = cupy.random.default_rng(hash(tuple(info["chunk-location"])) & 0xFFFF)
+    return rng.random(info["chunk-shape"], dtype=cupy.float64)
+
+
+def _identity(block):
+    return block
+
+
+def _device_copy(nbytes: int, repeats: int = 5) -> float:
+    import cupy
+
+    src = cupy.ones(nbytes // 8, dtype=cupy.float64)
+    dst = cupy.empty_like(src)
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for i in range(repeats + 1):
+        start.record()
+        cupy.copyto(dst, src)
+        stop.record()
+        stop.synchronize()
+        if i:
+            times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+    del src, dst
+    cupy.get_default_memory_pool().free_all_blocks()
+    return statistics.median(times)
+
+
+def one_size(client, nbytes: int, workers: int, args) -> dict:
+    import cupy
+    import dask
+    import dask.array as da
+    from distributed import wait
+
+    parts = max(workers, 4)
+    n = max(int((nbytes / 8) ** 0.5) // parts * parts, parts)
+    cols, rows = (n, n // parts), (n // parts, n)
+    meta = cupy.empty((0, 0), dtype=cupy.float64)
+    x = da.map_blocks(_random_block, chunks=da.core.normalize_chunks(cols, (n, n)), dtype="float64", meta=meta)
+    x = x.persist()
+    wait(x)
+    size = n * n * 8
+    row: dict = {"workers": workers, "n": n, "bytes": size}
+    row["copy_s"] = max(client.run(_device_copy, size // workers).values())
+    t0 = []
+    for i in range(args.repeats + 1):
+        start = time.perf_counter()
+        y = x.map_blocks(_identity, dtype=x.dtype, meta=meta, name=f"dask-floor-{uuid.uuid4().hex}").persist()
+        wait(y)
+        if i:
+            t0.append(time.perf_counter() - start)
+        del y
+    row["dask-floor_s"] = statistics.median(t0)
+    methods = [("pgas", {})]
+    if 2 * size / workers * 1.3 <= dask.utils.parse_bytes(args.heap_limit):
+        methods.append(("pgas-collective", {"pgas.local-rechunk": False}))
+    if size <= dask.utils.parse_bytes(args.tasks_limit):
+        methods.append(("tasks", {}))
+    for label, cfg in methods:
+        method = "pgas" if label.startswith("pgas") else label
+        try:
+            with dask.config.set(cfg):
+                fwd, y = time_method(client, x, rows, method, args.repeats)
+                back, z = time_method(client, y, cols, method, args.repeats)
+            row[f"{label}_ok"] = bool(da.all(z == x).compute())
+            row[f"{label}_fwd_s"], row[f"{label}_back_s"] = fwd, back
+            del y, z
+        except Exception as exc:  # report and go on with the other methods
+            row[f"{label}_error"] = f"{type(exc).__name__}: {exc}"
+    del x
+    client.run(lambda: cupy.get_default_memory_pool().free_all_blocks())
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--sizes", default="512MiB,4GiB,16GiB")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--tasks-limit", default="4GiB", help="largest size also run with Dask tasks")
+    ap.add_argument("--heap-limit", default="8GiB", help="NVSHMEM heap per worker (pgas-collective rows)")
+    ap.add_argument("--smoke-cpu", action="store_true", help=argparse.SUPPRESS)  # CPU workers, a cupy stand-in
+    args = ap.parse_args()
+
+    from dask.utils import format_bytes, parse_bytes
+    from distributed import Client
+
+    import dask_pgas
+
+    ok = True
+    backends, gpus = (["mpi"], 0) if args.smoke_cpu else (["nvshmem"], 1)
+    with dask_pgas.LocalMPICluster(n_workers=args.workers, backends=backends, gpus=gpus) as cluster, \
+            Client(cluster) as client:
+        print(f"{args.workers} GPU worker(s): {cluster.world}")
+        print(f"{'size':>10} {'method':<16} {'cols->rows':>12} {'rows->cols':>12} {'of D2D copy':>14}  check")
+        for size in args.sizes.split(","):
+            row = one_size(client, parse_bytes(size), args.workers, args)
+            gb = row["bytes"] / 1e9
+            copy = row["copy_s"]
+            print(f"{format_bytes(row['bytes']):>10} {'D2D copy':<16} {gb / copy:>7.1f} GB/s "
+                  f"{'':>12} {'100%':>14}   ({copy * 1e3:.3f} ms)")
+            floor = row["dask-floor_s"]
+            print(f"{'':>10} {'dask-floor':<16} {'':>12} {'':>12} {'':>14}   ({floor * 1e3:.1f} ms, no data moved)")
+            for label in ("pgas", "pgas-collective", "tasks"):
+                if f"{label}_error" in row:
+                    print(f"{'':>10} {label:<16} {row[label + '_error']}")
+                    continue
+                if f"{label}_fwd_s" not in row:
+                    continue
+                fwd, back = row[f"{label}_fwd_s"], row[f"{label}_back_s"]
+                ok &= row[f"{label}_ok"]
+                print(f"{'':>10} {label:<16} {gb / fwd:>7.1f} GB/s {gb / back:>7.1f} GB/s "
+                      f"{copy / fwd:>6.0%} /{copy / back:>5.0%}  {'OK' if row[label + '_ok'] else 'WRONG'}"
+                      f"   ({fwd * 1e3:.1f} / {back * 1e3:.1f} ms)")
+            print("BENCH " + json.dumps(row), flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
