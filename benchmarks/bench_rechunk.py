@@ -16,7 +16,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 
 # ------------------------------------------------------------------------------------------- bare Alltoallw
@@ -62,31 +61,15 @@ def bare_alltoallw(n: int, workers: int, repeats: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------- Dask methods
-def time_method(client, x, chunks, method: str, repeats: int) -> tuple[float, object]:
-    from dask.core import flatten
-    from distributed import wait
-
+def time_method(client, x, chunks, method: str, repeats: int, device_sync: bool = False) -> tuple[float, object]:
+    """Median end-to-end seconds of ``x.rechunk(chunks, method=method).persist()`` after one warm-up."""
     import dask_pgas
+    from dask_pgas.cli import timed_persist
 
-    def once():
-        t0 = time.perf_counter()
-        y = dask_pgas.rechunk(x, chunks) if method == "pgas" else x.rechunk(chunks, method=method)
-        y = y.persist()
-        wait(y)
-        return time.perf_counter() - t0, y
+    def make():
+        return dask_pgas.rechunk(x, chunks) if method == "pgas" else x.rechunk(chunks, method=method)
 
-    times, y = [], None
-    for i in range(repeats + 1):
-        if y is not None:
-            keys = list(flatten(y.__dask_keys__()))
-            y = None
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and any(client.sync(client.scheduler.who_has, keys=keys).values()):
-                time.sleep(0.01)
-        t, y = once()
-        if i:
-            times.append(t)
-    return statistics.median(times), y
+    return timed_persist(client, make, repeats, device_sync=device_sync, warmup=True)
 
 
 def scenario(client, name: str, shape, chunks_in, chunks_out, methods, repeats, check=True) -> dict:

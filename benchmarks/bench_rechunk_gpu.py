@@ -5,7 +5,7 @@
 
 For each size: an N x N float64 array of column slabs (chunks (N, N/k), k = max(workers, 4)), made on the GPU
 and persisted, rechunked to row slabs and back; each time is ``rechunk(...).persist()`` + ``wait`` end to end
-(graph construction included), median of ``--repeats`` after a warm-up. Rows:
+(graph construction included) until every worker's GPU is idle, median of ``--repeats`` after a warm-up. Rows:
 
 * ``pgas``: ``dask_pgas.rechunk`` as configured (one worker: a local plan, no collective);
 * ``pgas-collective``: the same with ``pgas.local-rechunk: False`` (through the engine's staging buffers and
@@ -24,7 +24,6 @@ import json
 import os
 import statistics
 import sys
-import time
 import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -69,25 +68,23 @@ def one_size(client, nbytes: int, workers: int, args) -> dict:
     import dask.array as da
     from distributed import wait
 
+    from dask_pgas.cli import timed_persist
+
     parts = max(workers, 4)
     n = max(int((nbytes / 8) ** 0.5) // parts * parts, parts)
     cols, rows = (n, n // parts), (n // parts, n)
+    size = n * n * 8
+    row: dict = {"workers": workers, "n": n, "bytes": size}
+    # the reference first, while the GPU is empty (its two buffers are freed before the array is made)
+    row["copy_s"] = max(client.run(_device_copy, size // workers).values())
     meta = cupy.empty((0, 0), dtype=cupy.float64)
     x = da.map_blocks(_random_block, chunks=da.core.normalize_chunks(cols, (n, n)), dtype="float64", meta=meta)
     x = x.persist()
     wait(x)
-    size = n * n * 8
-    row: dict = {"workers": workers, "n": n, "bytes": size}
-    row["copy_s"] = max(client.run(_device_copy, size // workers).values())
-    t0 = []
-    for i in range(args.repeats + 1):
-        start = time.perf_counter()
-        y = x.map_blocks(_identity, dtype=x.dtype, meta=meta, name=f"dask-floor-{uuid.uuid4().hex}").persist()
-        wait(y)
-        if i:
-            t0.append(time.perf_counter() - start)
-        del y
-    row["dask-floor_s"] = statistics.median(t0)
+    # every timed region ends when the workers' GPUs are idle (CuPy tasks return before their kernels end)
+    row["dask-floor_s"], _ = timed_persist(
+        client, lambda x=x: x.map_blocks(_identity, dtype=x.dtype, meta=meta, name=f"floor-{uuid.uuid4().hex}"),
+        args.repeats, device_sync=True, warmup=True)
     methods = [("pgas", {})]
     if 2 * size / workers * 1.3 <= dask.utils.parse_bytes(args.heap_limit):
         methods.append(("pgas-collective", {"pgas.local-rechunk": False}))
@@ -97,8 +94,8 @@ def one_size(client, nbytes: int, workers: int, args) -> dict:
         method = "pgas" if label.startswith("pgas") else label
         try:
             with dask.config.set(cfg):
-                fwd, y = time_method(client, x, rows, method, args.repeats)
-                back, z = time_method(client, y, cols, method, args.repeats)
+                fwd, y = time_method(client, x, rows, method, args.repeats, device_sync=True)
+                back, z = time_method(client, y, cols, method, args.repeats, device_sync=True)
             row[f"{label}_ok"] = bool(da.all(z == x).compute())
             row[f"{label}_fwd_s"], row[f"{label}_back_s"] = fwd, back
             del y, z

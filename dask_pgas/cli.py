@@ -25,26 +25,36 @@ def _gpu_count() -> int:
 
 def _wait_forgotten(client, keys: list) -> None:
     """Wait until the scheduler dropped ``keys`` (after the last reference went), so a rerun recomputes."""
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline and any(client.sync(client.scheduler.who_has, keys=keys).values()):
         time.sleep(0.01)
 
 
-def _timed(client, fn, repeats: int) -> tuple[float, object]:
-    """Median seconds of ``fn().persist()`` end to end (graph construction included), and the last result."""
+def _sync_device() -> None:
+    import cupy
+
+    cupy.cuda.Device().synchronize()
+
+
+def timed_persist(client, make, repeats: int, *, device_sync: bool = False, warmup: bool = False):
+    """Median seconds of ``make().persist()`` + ``wait`` end to end (graph construction included), and the last
+    result. ``device_sync`` also waits for every worker's GPU (CuPy tasks return before their kernels finish)."""
     from dask.core import flatten
     from distributed import wait
 
     times, result = [], None
-    for _ in range(repeats):
+    for i in range(repeats + int(warmup)):
         if result is not None:
             keys = list(flatten(result.__dask_keys__()))
             result = None
             _wait_forgotten(client, keys)
         t0 = time.perf_counter()
-        result = fn().persist()
+        result = make().persist()
         wait(result)
-        times.append(time.perf_counter() - t0)
+        if device_sync:
+            client.run(_sync_device)
+        if i or not warmup:
+            times.append(time.perf_counter() - t0)
     return statistics.median(times), result
 
 
@@ -100,8 +110,10 @@ def demo(args: argparse.Namespace) -> int:
         for method in ("pgas", "tasks", "p2p") if not args.pgas_only else ("pgas",):
             try:
                 with dask.config.set({"array.rechunk.method": method}):
-                    fwd, y = _timed(client, lambda x=x, m=method: x.rechunk(rows, method=m), args.repeats)
-                    back, z = _timed(client, lambda y=y, m=method: y.rechunk(cols, method=m), args.repeats)
+                    fwd, y = timed_persist(client, lambda x=x, m=method: x.rechunk(rows, method=m), args.repeats,
+                                           device_sync=bool(gpus))
+                    back, z = timed_persist(client, lambda y=y, m=method: y.rechunk(cols, method=m), args.repeats,
+                                            device_sync=bool(gpus))
                 ok = bool(da.all(z == x).compute()) and bool(da.all(y == x.rechunk(rows, method="tasks")).compute())
                 results[method] = (fwd, back, ok)
                 del y, z

@@ -69,6 +69,17 @@ if [ "${1:-run}" = part1 ]; then  # correctness side by side, then the timed job
   grep -h "passed\|failed\|error" "$OUT"/p1-dask2.log "$OUT"/p1-pytest-gpu.log | tail -4 >>"$S" 2>/dev/null
   echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
 fi
+if [ "${1:-run}" = part3 ]; then
+  for k in 1 2 4; do
+    step "dask suite, $k GPU workers" 240 "$OUT/p3-dask$k.log" env DASK_PGAS_TEST_GPU_WORKERS=$k python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py &
+  done
+  wait
+  step "rechunk bench, 1 GPU worker" 200 "$OUT/rechunk1.log" python3 benchmarks/bench_rechunk_gpu.py --workers 1 --sizes 512MiB,4GiB,16GiB,32GiB
+  step "demo (main job), 1 GPU worker, 1GiB" 100 "$OUT/demo.log" python3 -m dask_pgas.cli demo --repeats 3
+  step "rechunk bench, 2 GPU workers" 120 "$OUT/rechunk2.log" python3 benchmarks/bench_rechunk_gpu.py --workers 2 --sizes 512MiB,2GiB
+  grep -h "passed\|failed" "$OUT"/p3-*.log >>"$S" 2>/dev/null
+  echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
+fi
 if [ "${1:-run}" = part2 ]; then  # Dask on 1/4 GPU workers, 2-worker rechunk bench, MPS block, failure test
   step "rechunk bench, 2 GPU workers" 120 "$OUT/rechunk2.log" python3 benchmarks/bench_rechunk_gpu.py --workers 2 --sizes 512MiB,2GiB
   step "dask suite, 1 GPU worker" 200 "$OUT/p2-dask1.log" env DASK_PGAS_TEST_GPU_WORKERS=1 python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py &

@@ -259,7 +259,7 @@ def test_bad_chunk_on_one_pe_fails_the_run_not_the_world(client):
     def shrink_first(block, block_info=None):
         return block[:-1] if block_info[0]["chunk-location"][0] == 0 else block
 
-    bad = x.map_blocks(shrink_first, dtype=x.dtype)  # lies about the shape of its first chunk
+    bad = x.map_blocks(shrink_first, dtype=x.dtype, meta=x._meta)  # lies about the shape of its first chunk
     with pytest.raises(Exception, match="ValueError"):
         dask_pgas.rechunk(bad, (60, 10)).compute()
     assert dask_pgas.world(client).broken is None
