@@ -4,7 +4,10 @@ The scheduler runs as a subprocess (``python -m distributed.cli.dask_scheduler``
 (``mpiexec -n N python -m dask_pgas.integration._worker_main``) with the ``mpiexec`` found next to the Python
 interpreter or on ``PATH``. Output of both goes to log files (``cluster.logs()``), so closing prints nothing.
 On start the PGAS world is bootstrapped (``bootstrap=False`` to skip). ``close()`` tears the world down
-collectively, shuts the scheduler and workers down and kills whatever is left: no processes stay behind.
+collectively, shuts the scheduler and workers down and kills whatever is left: no processes stay behind, and
+if the launching process dies without closing, the scheduler and workers notice within a second and exit.
+GPU workers (``gpus=N``) get no host memory limit by default (``memory_limit=None``): Dask sizes CuPy chunks as
+if they were host memory and would spill or pause on device bytes; CPU workers default to ``"auto"``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import time
 from typing import Any
 
 from distributed.core import Status
+
+from . import _orphan_guard
 
 __all__ = ["LocalMPICluster"]
 
@@ -54,7 +59,7 @@ class LocalMPICluster:
         n_workers: int = 2,
         *,
         threads_per_worker: int = 1,
-        memory_limit: str = "auto",
+        memory_limit: str | None = None,
         bootstrap: bool = True,
         backends: Any = None,
         mpiexec_args: tuple[str, ...] = (),
@@ -69,6 +74,9 @@ class LocalMPICluster:
         self.scheduler_file = os.path.join(self._dir, "scheduler.json")
         self._env = {**os.environ, **(env or {})}
         self._env.setdefault("PYTHONUNBUFFERED", "1")
+        self._env[_orphan_guard.ENV] = str(os.getpid())  # scheduler and workers exit if this process dies
+        if memory_limit is None:  # Dask counts CuPy chunks as host memory: no host limit to spill them by
+            memory_limit = "0" if gpus else "auto"
         if gpus:  # worker k sees only GPU (node-local rank k mod gpus), as its device 0
             self._env["DASK_PGAS_BIND_GPUS"] = str(gpus)
         self._procs: list[subprocess.Popen] = []
@@ -77,7 +85,8 @@ class LocalMPICluster:
             self._scheduler = self._spawn(
                 "scheduler",
                 [sys.executable, "-m", "distributed.cli.dask_scheduler", "--scheduler-file", self.scheduler_file,
-                 "--host", "127.0.0.1", "--port", "0", "--no-dashboard"],
+                 "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+                 "--preload", "dask_pgas.integration._orphan_guard"],
             )
             self._wait_for_file(timeout)
             self._worker_cmd = [

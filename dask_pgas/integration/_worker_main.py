@@ -31,6 +31,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from mpi4py import MPI  # initializes MPI in this (main) thread
 
+    from ._orphan_guard import watch_launcher
+
+    watch_launcher()
+
     rank = MPI.COMM_WORLD.Get_rank()
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(name)s %(levelname)s: %(message)s")
     state = {"poisoned": False}

@@ -80,6 +80,15 @@ if [ "${1:-run}" = part3 ]; then
   grep -h "passed\|failed" "$OUT"/p3-*.log >>"$S" 2>/dev/null
   echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
 fi
+if [ "${1:-run}" = part4 ]; then  # third block: after the GPU memory-limit and orphan fixes
+  step "dask suite, 1 GPU worker" 150 "$OUT/p4-dask1.log" env DASK_PGAS_TEST_GPU_WORKERS=1 python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py
+  step "rechunk bench, 1 GPU worker" 200 "$OUT/rechunk1.log" python3 benchmarks/bench_rechunk_gpu.py --workers 1 --sizes 512MiB,4GiB,16GiB,32GiB
+  nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader >>"$S"
+  step "demo (main job), 1 GPU worker, 1GiB" 100 "$OUT/demo.log" python3 -m dask_pgas.cli demo --repeats 3
+  step "rechunk bench, 2 GPU workers" 120 "$OUT/rechunk2.log" python3 benchmarks/bench_rechunk_gpu.py --workers 2 --sizes 512MiB,2GiB
+  grep -h "passed\|failed" "$OUT"/p4-*.log >>"$S" 2>/dev/null
+  echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
+fi
 if [ "${1:-run}" = part2 ]; then  # Dask on 1/4 GPU workers, 2-worker rechunk bench, MPS block, failure test
   step "rechunk bench, 2 GPU workers" 120 "$OUT/rechunk2.log" python3 benchmarks/bench_rechunk_gpu.py --workers 2 --sizes 512MiB,2GiB
   step "dask suite, 1 GPU worker" 200 "$OUT/p2-dask1.log" env DASK_PGAS_TEST_GPU_WORKERS=1 python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py &

@@ -89,3 +89,32 @@ def test_teardown_kill_and_close(capfd):
     assert not [p for p in pids + procs if _alive(p)]
     out, err = capfd.readouterr()
     assert "Traceback" not in out + err
+
+
+def test_killed_launcher_leaves_no_processes():
+    """A driver killed without closing its LocalMPICluster (kill -9, a timeout, a crashed kernel): the
+    scheduler and the worker ranks notice and exit, so nothing keeps holding memory or a GPU."""
+    import json
+    import subprocess
+    import sys
+
+    program = (
+        "import json, time, dask_pgas\n"
+        "c = dask_pgas.LocalMPICluster(n_workers=2, bootstrap=False)\n"
+        "print(json.dumps(c.worker_pids() + [p.pid for p in c._procs]), flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    driver = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(driver.stdout.readline())
+    finally:
+        driver.kill()
+        driver.wait()
+    assert len(pids) >= 4  # 2 workers, mpiexec, scheduler
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    left = [p for p in pids if _alive(p)]
+    for p in left:  # do not leak them into the rest of the session
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"processes {left} outlived their launcher"

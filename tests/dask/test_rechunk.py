@@ -260,7 +260,8 @@ def test_bad_chunk_on_one_pe_fails_the_run_not_the_world(client):
         return block[:-1] if block_info[0]["chunk-location"][0] == 0 else block
 
     bad = x.map_blocks(shrink_first, dtype=x.dtype, meta=x._meta)  # lies about the shape of its first chunk
-    with pytest.raises(Exception, match="ValueError"):
+    with pytest.raises(Exception) as info:  # the agreed error of a collective run, or the local task's own
         dask_pgas.rechunk(bad, (60, 10)).compute()
+    assert "ValueError" in f"{info.type.__name__}: {info.value}"
     assert dask_pgas.world(client).broken is None
     np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (60, 10)).compute()), ref)
