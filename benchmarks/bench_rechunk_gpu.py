@@ -14,6 +14,9 @@ and persisted, rechunked to row slabs and back; each time is ``rechunk(...).pers
 * ``dask-floor``: ``x.map_blocks(identity).persist()`` on the same chunks (Dask's fixed cost, no data moved);
 * ``copy``: one ``cupy`` device-to-device copy of each worker's share (CUDA events, median of 5).
 
+At most two arrays of the size are alive at once (the input is regenerated for the check), so on one
+139 GiB H200 sizes up to about 48 GiB fit.
+
 Prints a table and one ``BENCH`` JSON line per size.
 """
 
@@ -62,13 +65,21 @@ def _device_copy(nbytes: int, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+def _keys(arr) -> list:
+    from dask.core import flatten
+
+    return list(flatten(arr.__dask_keys__()))
+
+
 def one_size(client, nbytes: int, workers: int, args) -> dict:
+    """One size: at most two arrays of it live at a time (input and output, or output and its way back), so
+    the largest sizes fit; the input is regenerated (same values) where it is needed again."""
     import cupy
     import dask
     import dask.array as da
     from distributed import wait
 
-    from dask_pgas.cli import timed_persist
+    from dask_pgas.cli import timed_persist, wait_forgotten
 
     parts = max(workers, 4)
     n = max(int((nbytes / 8) ** 0.5) // parts * parts, parts)
@@ -78,30 +89,45 @@ def one_size(client, nbytes: int, workers: int, args) -> dict:
     # the reference first, while the GPU is empty (its two buffers are freed before the array is made)
     row["copy_s"] = max(client.run(_device_copy, size // workers).values())
     meta = cupy.empty((0, 0), dtype=cupy.float64)
-    x = da.map_blocks(_random_block, chunks=da.core.normalize_chunks(cols, (n, n)), dtype="float64", meta=meta)
-    x = x.persist()
+
+    def make_x():
+        grid = da.core.normalize_chunks(cols, (n, n))
+        return da.map_blocks(_random_block, chunks=grid, dtype="float64", meta=meta, name=f"x-{n}")
+
+    x = make_x().persist()
     wait(x)
     # every timed region ends when the workers' GPUs are idle (CuPy tasks return before their kernels end)
-    row["dask-floor_s"], _ = timed_persist(
+    row["dask-floor_s"], floor = timed_persist(
         client, lambda x=x: x.map_blocks(_identity, dtype=x.dtype, meta=meta, name=f"floor-{uuid.uuid4().hex}"),
         args.repeats, device_sync=True, warmup=True)
+    floor_keys, floor = _keys(floor), None  # its chunks are x's own arrays: drop them with x
+    wait_forgotten(client, floor_keys)
     methods = [("pgas", {})]
     if 2 * size / workers * 1.3 <= dask.utils.parse_bytes(args.heap_limit):
         methods.append(("pgas-collective", {"pgas.local-rechunk": False}))
     if size <= dask.utils.parse_bytes(args.tasks_limit):
         methods.append(("tasks", {}))
+    x_keys = _keys(x)
     for label, cfg in methods:
         method = "pgas" if label.startswith("pgas") else label
         try:
+            if x is None:
+                x = make_x().persist()
+                wait(x)
             with dask.config.set(cfg):
                 fwd, y = time_method(client, x, rows, method, args.repeats, device_sync=True)
+                x = None  # the way back needs only y: free the input first
+                wait_forgotten(client, x_keys)
                 back, z = time_method(client, y, cols, method, args.repeats, device_sync=True)
-            row[f"{label}_ok"] = bool(da.all(z == x).compute())
+            y_keys, y = _keys(y), None
+            wait_forgotten(client, y_keys)
+            row[f"{label}_ok"] = bool(da.all(z == make_x()).compute())
             row[f"{label}_fwd_s"], row[f"{label}_back_s"] = fwd, back
-            del y, z
+            del z
         except Exception as exc:  # report and go on with the other methods
             row[f"{label}_error"] = f"{type(exc).__name__}: {exc}"
-    del x
+            y = None
+    x = None
     client.run(lambda: cupy.get_default_memory_pool().free_all_blocks())
     return row
 

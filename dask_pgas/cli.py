@@ -23,7 +23,7 @@ def _gpu_count() -> int:
         return 0
 
 
-def _wait_forgotten(client, keys: list) -> None:
+def wait_forgotten(client, keys: list) -> None:
     """Wait until the scheduler dropped ``keys`` (after the last reference went), so a rerun recomputes."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and any(client.sync(client.scheduler.who_has, keys=keys).values()):
@@ -47,7 +47,7 @@ def timed_persist(client, make, repeats: int, *, device_sync: bool = False, warm
         if result is not None:
             keys = list(flatten(result.__dask_keys__()))
             result = None
-            _wait_forgotten(client, keys)
+            wait_forgotten(client, keys)
         t0 = time.perf_counter()
         result = make().persist()
         wait(result)

@@ -273,7 +273,9 @@ class Reshape:
             raise RuntimeStateError("call plan() before execute()")
         shape, order = self._spec.output_box.shape, self._spec.order
         if self._symmetric:
-            result = _allocate_internal(self._engine, shape, self._spec.dtype, self._package, order)
+            # every rank knows every output box: the common padded size needs no exchange
+            padded = max(b.size for b in self._spec.output_boxes) * self._spec.dtype.itemsize
+            result = _allocate_internal(self._engine, shape, self._spec.dtype, self._package, order, padded)
         else:
             result = self._recycled_result()
             if result is None:

@@ -89,6 +89,26 @@ if [ "${1:-run}" = part4 ]; then  # third block: after the GPU memory-limit and 
   grep -h "passed\|failed" "$OUT"/p4-*.log >>"$S" 2>/dev/null
   echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
 fi
+if [ "${1:-run}" = part5 ]; then  # last block: the reshape result needs no size exchange; the largest sizes
+  step "gpu_checks np=2" 100 "$OUT/p5-engine.log" $MPIRUN -n 2 python3 tests/gpu/programs/gpu_checks.py
+  step "core suite np=4 cupy" 60 "$OUT/p5-engine.log" $MPIRUN -n 4 python3 $SUITE --backend nvshmem --package cupy --examples 8
+  for np_ in 1 2 4; do
+    step "bench np=$np_" 60 "$OUT/bench.log" $MPIRUN -n $np_ python3 benchmarks/bench_gpu_reshape.py
+  done
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  nvidia-cuda-mps-control -d && echo "MPS started" >>"$S"
+  for np_ in 2 4; do
+    export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / np_))
+    step "MPS bench np=$np_" 50 "$OUT/mps-bench.log" $MPIRUN -n $np_ python3 benchmarks/bench_gpu_reshape.py
+  done
+  echo quit | nvidia-cuda-mps-control >/dev/null 2>&1; echo "MPS stopped" >>"$S"
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
+  step "rechunk bench, 1 GPU worker, large" 240 "$OUT/rechunk1.log" python3 benchmarks/bench_rechunk_gpu.py --workers 1 --sizes 16GiB,32GiB,48GiB --tasks-limit 0
+  grep -h "^BENCH" "$OUT/bench.log" "$OUT/mps-bench.log" >>"$S" 2>/dev/null
+  grep -h "GB/s\|floor" "$OUT/rechunk1.log" >>"$S" 2>/dev/null
+  echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
+fi
 if [ "${1:-run}" = part2 ]; then  # Dask on 1/4 GPU workers, 2-worker rechunk bench, MPS block, failure test
   step "rechunk bench, 2 GPU workers" 120 "$OUT/rechunk2.log" python3 benchmarks/bench_rechunk_gpu.py --workers 2 --sizes 512MiB,2GiB
   step "dask suite, 1 GPU worker" 200 "$OUT/p2-dask1.log" env DASK_PGAS_TEST_GPU_WORKERS=1 python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py &
