@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import uuid
 
@@ -46,25 +45,6 @@ def _identity(block):
     return block
 
 
-def _device_copy(nbytes: int, repeats: int = 5) -> float:
-    import cupy
-
-    src = cupy.ones(nbytes // 8, dtype=cupy.float64)
-    dst = cupy.empty_like(src)
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for i in range(repeats + 1):
-        start.record()
-        cupy.copyto(dst, src)
-        stop.record()
-        stop.synchronize()
-        if i:
-            times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
-    del src, dst
-    cupy.get_default_memory_pool().free_all_blocks()
-    return statistics.median(times)
-
-
 def _keys(arr) -> list:
     from dask.core import flatten
 
@@ -79,7 +59,7 @@ def one_size(client, nbytes: int, workers: int, args) -> dict:
     import dask.array as da
     from distributed import wait
 
-    from dask_pgas.cli import timed_persist, wait_forgotten
+    from dask_pgas.cli import device_copy_seconds, timed_persist, wait_forgotten
 
     parts = max(workers, 4)
     n = max(int((nbytes / 8) ** 0.5) // parts * parts, parts)
@@ -87,7 +67,7 @@ def one_size(client, nbytes: int, workers: int, args) -> dict:
     size = n * n * 8
     row: dict = {"workers": workers, "n": n, "bytes": size}
     # the reference first, while the GPU is empty (its two buffers are freed before the array is made)
-    row["copy_s"] = max(client.run(_device_copy, size // workers).values())
+    row["copy_s"] = max(client.run(device_copy_seconds, size // workers).values())
     meta = cupy.empty((0, 0), dtype=cupy.float64)
 
     def make_x():

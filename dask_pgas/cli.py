@@ -58,8 +58,9 @@ def timed_persist(client, make, repeats: int, *, device_sync: bool = False, warm
     return statistics.median(times), result
 
 
-def _device_copy(nbytes: int, repeats: int = 5) -> float:
-    """Median seconds of a device-to-device copy of ``nbytes`` on this worker's GPU (CUDA events)."""
+def device_copy_seconds(nbytes: int, repeats: int = 5) -> float:
+    """Median seconds of a device-to-device copy of ``nbytes`` on this worker's GPU (CUDA events); the two
+    buffers go back to the device afterwards."""
     import cupy
 
     src = cupy.ones(nbytes // 8, dtype=cupy.float64)
@@ -73,6 +74,8 @@ def _device_copy(nbytes: int, repeats: int = 5) -> float:
         stop.synchronize()
         if i:
             times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+    del src, dst
+    cupy.get_default_memory_pool().free_all_blocks()
     return statistics.median(times)
 
 
@@ -122,7 +125,7 @@ def demo(args: argparse.Namespace) -> int:
         gb = n * n * 8 / 1e9
         copy = None
         if gpus:  # the same bytes copied on every worker's GPU at once: the ceiling of any GPU rechunk
-            copy = max(client.run(_device_copy, n * n * 8 // workers).values())
+            copy = max(client.run(device_copy_seconds, n * n * 8 // workers).values())
         print(f"  {'method':<7} {'cols->rows':>12} {'rows->cols':>12}  check")
         for method, r in results.items():
             if isinstance(r, Exception):

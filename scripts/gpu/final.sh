@@ -3,9 +3,7 @@
 #   1: carry [".gpu-stage/part-aa", ".gpu-stage/SHA256SUMS", ".whl"]   bash scripts/gpu/final.sh upload
 #   2: carry [".gpu-stage/part-ab"]                                      bash scripts/gpu/final.sh upload
 #   3: carry [".gpu-stage/part-ac"]                                      bash scripts/gpu/final.sh run
-#      (or "rerun": only the 1- and 2-worker demos and the NumPy core suite; or "mps": what is still unrun:
-#       4 PEs without MPS, the core suite / gpu_checks / benchmark at 2 and 4 PEs under MPS, the Dask suite
-#       on 4 GPU workers)
+#      (or "rerun": only the 1- and 2-worker demos and the NumPy core suite)
 # Phase 1 runs correctness jobs side by side (they share the GPU); phase 2 runs the timed jobs one at a time.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/stage /tmp/site
@@ -26,6 +24,17 @@ step() {
   timeout -k 5 "$to" "$@" >>"$log" 2>&1
   local rc=$?
   echo "$( [ $rc -eq 0 ] && echo PASS || echo "FAIL(rc=$rc)" ) $name $(( $(date +%s) - t0 ))s" >>"$S"
+}
+mps_start() {  # MPS control daemon for the steps that follow (each sets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  trap 'echo quit | nvidia-cuda-mps-control >/dev/null 2>&1' EXIT
+  nvidia-cuda-mps-control -d && echo "MPS started" >>"$S"
+}
+mps_stop() {
+  echo quit | nvidia-cuda-mps-control >/dev/null 2>&1; echo "MPS stopped" >>"$S"
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
+  trap - EXIT
 }
 cp .gpu-stage/part-* .gpu-stage/SHA256SUMS /tmp/stage/ 2>/dev/null
 if [ "${1:-run}" = upload ]; then
@@ -95,15 +104,12 @@ if [ "${1:-run}" = part5 ]; then  # last block: the reshape result needs no size
   for np_ in 1 2 4; do
     step "bench np=$np_" 60 "$OUT/bench.log" $MPIRUN -n $np_ python3 benchmarks/bench_gpu_reshape.py
   done
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-  nvidia-cuda-mps-control -d && echo "MPS started" >>"$S"
+  mps_start
   for np_ in 2 4; do
     export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / np_))
     step "MPS bench np=$np_" 50 "$OUT/mps-bench.log" $MPIRUN -n $np_ python3 benchmarks/bench_gpu_reshape.py
   done
-  echo quit | nvidia-cuda-mps-control >/dev/null 2>&1; echo "MPS stopped" >>"$S"
-  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
+  mps_stop
   step "rechunk bench, 1 GPU worker, large" 240 "$OUT/rechunk1.log" python3 benchmarks/bench_rechunk_gpu.py --workers 1 --sizes 16GiB,32GiB,48GiB --tasks-limit 0
   grep -h "^BENCH" "$OUT/bench.log" "$OUT/mps-bench.log" >>"$S" 2>/dev/null
   grep -h "GB/s\|floor" "$OUT/rechunk1.log" >>"$S" 2>/dev/null
@@ -114,9 +120,7 @@ if [ "${1:-run}" = part2 ]; then  # Dask on 1/4 GPU workers, 2-worker rechunk be
   step "dask suite, 1 GPU worker" 200 "$OUT/p2-dask1.log" env DASK_PGAS_TEST_GPU_WORKERS=1 python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py &
   step "dask suite, 4 GPU workers" 240 "$OUT/p2-dask4.log" env DASK_PGAS_TEST_GPU_WORKERS=4 python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py &
   wait
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-  nvidia-cuda-mps-control -d && echo "MPS started" >>"$S"
+  mps_start
   for np_ in 2 4; do
     export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / np_))
     for pkg in cupy torch numpy; do
@@ -125,32 +129,10 @@ if [ "${1:-run}" = part2 ]; then  # Dask on 1/4 GPU workers, 2-worker rechunk be
     step "MPS gpu_checks np=$np_" 80 "$OUT/mps.log" $MPIRUN -n $np_ python3 tests/gpu/programs/gpu_checks.py
     step "MPS bench np=$np_" 50 "$OUT/mps-bench.log" $MPIRUN -n $np_ python3 benchmarks/bench_gpu_reshape.py
   done
-  echo quit | nvidia-cuda-mps-control >/dev/null 2>&1; echo "MPS stopped" >>"$S"
-  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
+  mps_stop
   step "dask failure test, 3 GPU workers" 150 "$OUT/p2-failure.log" env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -p no:cacheprovider tests/dask/test_failure.py
   grep -h "^BENCH" "$OUT/mps-bench.log" >>"$S" 2>/dev/null
   grep -h "passed\|failed" "$OUT"/p2-*.log >>"$S" 2>/dev/null
-  echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
-fi
-if [ "${1:-run}" = mps ]; then  # what issue 3 still needs: the core suite and benchmark with MPS, 4 PEs without
-  for np_ in 4; do
-    step "numpy suite np=$np_" 90 "$OUT/suite.log" $MPIRUN -n $np_ python3 $SUITE --backend nvshmem --package numpy --examples 10
-    step "gpu_checks np=$np_" 100 "$OUT/suite.log" $MPIRUN -n $np_ python3 tests/gpu/programs/gpu_checks.py
-  done
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-  trap 'echo quit | nvidia-cuda-mps-control >/dev/null 2>&1' EXIT
-  nvidia-cuda-mps-control -d && echo "MPS started" >>"$S"
-  for np_ in 2 4; do
-    export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / np_))
-    for pkg in cupy torch numpy; do
-      step "MPS core suite np=$np_ $pkg" 90 "$OUT/mps.log" $MPIRUN -n $np_ python3 $SUITE --backend nvshmem --package $pkg --examples 10
-    done
-    step "MPS gpu_checks np=$np_" 100 "$OUT/mps.log" $MPIRUN -n $np_ python3 tests/gpu/programs/gpu_checks.py
-    step "MPS bench np=$np_" 60 "$OUT/bench.log" $MPIRUN -n $np_ python3 benchmarks/bench_gpu_reshape.py
-  done
-  step "dask suite, 4 GPU workers" 200 "$OUT/dask4.log" env DASK_PGAS_TEST_GPU_WORKERS=4 python3 -m pytest -q -p no:cacheprovider -x tests/dask/test_rechunk.py
-  grep -h "^BENCH" "$OUT/bench.log" >>"$S" 2>/dev/null; grep -h "passed\|failed" "$OUT"/dask4.log >>"$S" 2>/dev/null
   echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
 fi
 if [ "${1:-run}" = rerun ]; then  # the short second round: the 1-worker demo and the NumPy suite
