@@ -16,9 +16,10 @@
                     │     plan.execute: ONE Alltoallw / NVSHMEM reshape   input Box[pe] ──► output Box[pe]
                     │     (watchdog: pgas.collective-timeout; a lost PE fails the run at once)
                     │          │
-                    │   barrier <- all transfer(*): waits for that run's result (already started)
+                    │   barrier <- all transfer(*): the run has started; returns its number at once
                     │          │
-                    └─────► output(chunk) <- barrier, pinned to its owner: slice of the output Box ──► y[i,j]
+                    └─────► output(chunk) <- barrier, pinned to its owner: dispatched while the collective runs,
+                                waits for the run to end on its PE, then a slice of the output Box ──► y[i,j]
 
 When no element changes PE (one PE, or output boxes equal to the input boxes) the graph is one pinned task per
 output chunk built straight from the PE's input chunks: no collective, no staging, no barrier (config

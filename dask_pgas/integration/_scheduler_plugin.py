@@ -36,6 +36,7 @@ class _Run:
         self.seq = seq
         self.failed: asyncio.Future = asyncio.get_running_loop().create_future()
         self.task: asyncio.Future | None = None
+        self.error: str | None = None  # why it could not start
 
     def fail(self, message: str) -> None:
         if not self.failed.done():
@@ -59,6 +60,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         self._barriers: set = set()  # barrier keys of graphs on this scheduler
         self._ready: dict[str, set] = {}  # run name -> PEs whose transfer task is in memory
         self._finished: dict[str, dict] = {}  # run name -> result of its last run (for its barrier tasks)
+        self._last_seq: dict[str, int] = {}  # run name -> number of its last run (its workers' state)
         self._lock: asyncio.Lock | None = None
 
     async def start(self, scheduler) -> None:
@@ -232,14 +234,19 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             return {"status": "OK", "workers": res}
 
     # ---------------------------------------------------------------- runs
-    async def barrier(self, name: str, epoch: int) -> dict:
-        """Called by the barrier task: the result of the run of ``name`` (started now unless the transition
-        hook already started it when the last transfer task finished)."""
+    async def barrier(self, name: str, epoch: int, wait: bool = True) -> dict:
+        """Called by the barrier task: the run of ``name`` (started now unless the transition hook already
+        started it when the last transfer task finished). ``wait=False`` returns its number at once (output
+        tasks then wait on their own worker for the run to end there); otherwise its result."""
         run = self._runs.get(name)
         if run is None:
             if name in self._finished:  # kept for the P barrier tasks until the run starts again
                 return self._finished[name]
             run = self._start(name, epoch)
+        if not wait:
+            if run.error is not None:
+                return {"status": "error", "message": run.error}
+            return {"status": "OK", "run": run.seq}
         return await asyncio.shield(run.task)
 
     def _start(self, name: str, epoch: int) -> _Run:
@@ -257,6 +264,8 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         else:
             error = None
             self._seq += 1
+        run.error = error
+        self._last_seq[name] = seq
         self._runs[name] = run
         run.task = asyncio.ensure_future(self._drive(run, epoch, error))
         return run
@@ -380,7 +389,9 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         if finish in ("released", "forgotten") and isinstance(key, str) and key.startswith("pgas-barrier-"):
             # every output task is done with the run's results: the workers can drop them
             name = "pgas-rechunk-" + key[len("pgas-barrier-"):]
-            msgs = {w: [{"op": "pgas-forget", "name": name}] for w in self.world if w in self.scheduler.workers}
+            seq = self._last_seq.pop(name, None)
+            msgs = {w: [{"op": "pgas-forget", "name": name, "run": seq}] for w in self.world
+                    if w in self.scheduler.workers}
             if msgs:
                 self.scheduler.send_all({}, msgs)
 

@@ -2,7 +2,9 @@
 
 Every collective (bring-up, reshape, teardown) runs on ONE dedicated daemon thread per worker, in the global
 order the scheduler hands out (``seq``), never on the event loop and never in a task slot. Tasks only stage
-references to their chunks (``stage``) or take their output slice (``take``); they never wait for peers.
+references to their chunks (``stage``) or take their output slice (``take``). An output task may wait for its
+own run to end on this worker, but only for a run that has already started (all its transfer tasks are done),
+so it never waits for another task.
 """
 
 from __future__ import annotations
@@ -179,6 +181,8 @@ class PGASWorkerPlugin(WorkerPlugin):
         self._staged: dict[str, tuple] = {}
         self._results: dict[str, Any] = {}
         self._pending: dict[int, tuple[str, concurrent.futures.Future]] = {}
+        self._done: dict[int, concurrent.futures.Future] = {}  # run seq -> resolved when this PE's run ends
+        self._done_lock = threading.Lock()
         self._next_seq = 0
         self._buffers: dict[str, Any] = {}
         self._plans: OrderedDict = OrderedDict()
@@ -224,8 +228,26 @@ class PGASWorkerPlugin(WorkerPlugin):
         self.check(pe, epoch)
         self._staged[name] = (spec, pieces, arrays)
 
-    def take(self, name: str, pe: int, epoch: int, box_slices: tuple, whole: bool) -> Any:
+    def _run_done(self, seq: int) -> concurrent.futures.Future:
+        with self._done_lock:
+            fut = self._done.get(seq)
+            if fut is None:
+                fut = self._done[seq] = concurrent.futures.Future()
+            return fut
+
+    def take(self, name: str, pe: int, epoch: int, box_slices: tuple, whole: bool, run: int) -> Any:
+        """This PE's slice of run ``run``'s output box; waits for the run to end here.
+
+        Output tasks are released as soon as every transfer task is done (the run has been started then), so
+        Dask dispatches them while the collective runs; they wait only for that running collective, never for
+        other tasks, and a failed or broken run wakes them with its error.
+        """
         self.check(pe, epoch)
+        timeout = dask.utils.parse_timedelta(dask.config.get("pgas.collective-timeout", "120s")) + 30
+        try:
+            self._run_done(run).result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise PGASWorldError(f"{name} did not finish on {self.worker.address} within {timeout:.0f}s") from None
         try:
             result = self._results[name]
         except KeyError:
@@ -295,7 +317,7 @@ class PGASWorkerPlugin(WorkerPlugin):
         self._pending[seq] = (name, fut)
         while self._next_seq in self._pending:  # submit in the global order, whatever the arrival order
             nm, f = self._pending.pop(self._next_seq)
-            self._thread.submit(self._run, nm, future=f)
+            self._thread.submit(self._run_and_signal, nm, self._next_seq, future=f)
             self._next_seq += 1
         try:
             info = await asyncio.wrap_future(fut)
@@ -320,9 +342,12 @@ class PGASWorkerPlugin(WorkerPlugin):
             raise RuntimeStateError("this dask_pgas has no NVSHMEM unique-id bootstrap (GPU engine missing)")
         return await asyncio.wrap_future(self._thread.submit(make))
 
-    def _h_forget(self, name: str) -> None:
+    def _h_forget(self, name: str, run: int | None = None) -> None:
         self._staged.pop(name, None)
         self._results.pop(name, None)
+        if run is not None:
+            with self._done_lock:
+                self._done.pop(run, None)
 
     def _h_fail(self, message: str, epoch: int) -> None:
         if epoch == self.epoch:
@@ -331,6 +356,14 @@ class PGASWorkerPlugin(WorkerPlugin):
                 self.poisoned = True  # stuck in (or queued behind) a collective with a dead peer
             self._staged.clear()
             self._results.clear()
+            self._fail_waiting(PGASWorldError(message))
+
+    def _fail_waiting(self, exc: BaseException) -> None:
+        with self._done_lock:
+            waiting, self._done = list(self._done.values()), {}
+        for fut in waiting:
+            if not fut.done():
+                fut.set_exception(exc)
 
     # ---------------------------------------------------------------- collective thread
     def _init(self, epoch, ranks, backends, uid, pe, npes) -> None:
@@ -369,6 +402,7 @@ class PGASWorkerPlugin(WorkerPlugin):
         self.broken = None
         self._next_seq = 0
         self._pending.clear()
+        self._fail_waiting(PGASWorldError(f"the PGAS world was bootstrapped again (world #{epoch})"))
 
     def _teardown(self) -> None:
         from .. import runtime
@@ -422,6 +456,18 @@ class PGASWorkerPlugin(WorkerPlugin):
             _, old = self._plans.popitem(last=False)
             old.free()
         return plan
+
+    def _run_and_signal(self, name: str, seq: int) -> dict:
+        done = self._run_done(seq)
+        try:
+            info = self._run(name)
+        except BaseException as exc:
+            if not done.done():
+                done.set_exception(exc)
+            raise
+        if not done.done():
+            done.set_result(None)
+        return info
 
     def _run(self, name: str) -> dict:
         import numpy as np
@@ -486,7 +532,7 @@ class PGASWorkerPlugin(WorkerPlugin):
         plan = self._plan(engine, spec)
         t1 = time.perf_counter()
         plan.execute(src, dst)
-        self.last_timings = {"prepare": t1 - t0, "execute": time.perf_counter() - t1}
+        self.last_timings = {"prepare": t1 - t0, "execute": time.perf_counter() - t1, "ended_at": time.time()}
         # -- results live in ordinary (non-symmetric) arrays, so the buffers are free for the next run
         self._results[name] = dst.copy() if symmetric else dst
         self.runs += 1
