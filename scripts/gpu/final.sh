@@ -100,21 +100,20 @@ if [ "${1:-run}" = part4 ]; then  # third block: after the GPU memory-limit and 
 fi
 if [ "${1:-run}" = part5 ]; then  # last block: output tasks overlap the collective; no size exchange; large sizes
   for k in 1 2 4; do
-    step "dask suite, $k GPU workers" 200 "$OUT/p5-dask$k.log" env DASK_PGAS_TEST_GPU_WORKERS=$k python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py &
+    step "dask suite, $k GPU workers" 150 "$OUT/p5-dask$k.log" env DASK_PGAS_TEST_GPU_WORKERS=$k python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py &
   done
-  step "gpu_checks np=2" 100 "$OUT/p5-engine.log" $MPIRUN -n 2 python3 tests/gpu/programs/gpu_checks.py &
   wait
+  step "rechunk bench, 2 GPU workers" 90 "$OUT/rechunk2.log" python3 benchmarks/bench_rechunk_gpu.py --workers 2 --sizes 512MiB,2GiB --tasks-limit 0
   for np_ in 1 2 4; do
-    step "bench np=$np_" 60 "$OUT/bench.log" $MPIRUN -n $np_ python3 benchmarks/bench_gpu_reshape.py
+    step "bench np=$np_" 40 "$OUT/bench.log" $MPIRUN -n $np_ python3 benchmarks/bench_gpu_reshape.py
   done
   mps_start
   for np_ in 2 4; do
     export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / np_))
-    step "MPS bench np=$np_" 50 "$OUT/mps-bench.log" $MPIRUN -n $np_ python3 benchmarks/bench_gpu_reshape.py
+    step "MPS bench np=$np_" 40 "$OUT/mps-bench.log" $MPIRUN -n $np_ python3 benchmarks/bench_gpu_reshape.py
   done
   mps_stop
-  step "rechunk bench, 2 GPU workers" 100 "$OUT/rechunk2.log" python3 benchmarks/bench_rechunk_gpu.py --workers 2 --sizes 512MiB,2GiB --tasks-limit 0
-  step "rechunk bench, 1 GPU worker, large" 200 "$OUT/rechunk1.log" python3 benchmarks/bench_rechunk_gpu.py --workers 1 --sizes 16GiB,32GiB,48GiB --tasks-limit 0
+  step "rechunk bench, 1 GPU worker, large" 150 "$OUT/rechunk1.log" python3 benchmarks/bench_rechunk_gpu.py --workers 1 --sizes 32GiB,48GiB --tasks-limit 0 --repeats 3
   grep -h "passed\|failed" "$OUT"/p5-dask*.log >>"$S" 2>/dev/null
   grep -h "^BENCH" "$OUT/bench.log" "$OUT/mps-bench.log" >>"$S" 2>/dev/null
   grep -h "GB/s\|floor" "$OUT/rechunk2.log" "$OUT/rechunk1.log" >>"$S" 2>/dev/null
