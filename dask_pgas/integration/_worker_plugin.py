@@ -244,10 +244,15 @@ class PGASWorkerPlugin(WorkerPlugin):
         """
         self.check(pe, epoch)
         timeout = dask.utils.parse_timedelta(dask.config.get("pgas.collective-timeout", "120s")) + 30
-        try:
-            self._run_done(run).result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
-            raise PGASWorldError(f"{name} did not finish on {self.worker.address} within {timeout:.0f}s") from None
+        with self._done_lock:
+            done = self._done.get(run)
+            if done is None and run >= self._next_seq:  # not started here yet
+                done = self._done[run] = concurrent.futures.Future()
+        if done is not None:  # else it ran here and was forgotten since: the lookup below says so
+            try:
+                done.result(timeout=timeout)
+            except concurrent.futures.TimeoutError:
+                raise PGASWorldError(f"{name} did not finish on {self.worker.address} within {timeout:.0f}s") from None
         try:
             result = self._results[name]
         except KeyError:
@@ -317,6 +322,7 @@ class PGASWorkerPlugin(WorkerPlugin):
         self._pending[seq] = (name, fut)
         while self._next_seq in self._pending:  # submit in the global order, whatever the arrival order
             nm, f = self._pending.pop(self._next_seq)
+            self._run_done(self._next_seq)  # before _next_seq moves on: take() tells "not yet" from "forgotten"
             self._thread.submit(self._run_and_signal, nm, self._next_seq, future=f)
             self._next_seq += 1
         try:
