@@ -179,6 +179,8 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                 await self._call(list(self.world), "pgas_teardown", timeout=timeout)
             self.epoch += 1
             self._seq = 0
+            self._ready.clear()
+            self._last_seq.clear()
             epoch = self.epoch
             try:
                 if mpi_world:
@@ -265,7 +267,8 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             error = None
             self._seq += 1
         run.error = error
-        self._last_seq[name] = seq
+        if error is None:
+            self._last_seq[name] = seq
         self._runs[name] = run
         run.task = asyncio.ensure_future(self._drive(run, epoch, error))
         return run
@@ -367,8 +370,11 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             self._pinned[key] = addr
 
     def transition(self, key, start, finish, *args, **kwargs) -> None:
-        if (finish == "memory" and type(key) is tuple and len(key) == 2 and isinstance(key[0], str)
-                and key[0].startswith("pgas-transfer-")):
+        transfer = (type(key) is tuple and len(key) == 2 and isinstance(key[0], str)
+                    and key[0].startswith("pgas-transfer-"))
+        if transfer and start == "memory":  # released or lost (a cancel, a dead worker): not ready any more
+            self._ready.get("pgas-rechunk-" + key[0][len("pgas-transfer-"):], set()).discard(key[1])
+        if transfer and finish == "memory":
             # the last transfer task of a run is done: start the collective now, without waiting for the
             # barrier task to be scheduled and to gather its inputs (it then only collects the result)
             ts = self.scheduler.tasks.get(key)
@@ -390,7 +396,8 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             # every output task is done with the run's results: the workers can drop them
             name = "pgas-rechunk-" + key[len("pgas-barrier-"):]
             seq = self._last_seq.pop(name, None)
-            msgs = {w: [{"op": "pgas-forget", "name": name, "run": seq}] for w in self.world
+            self._ready.pop(name, None)
+            msgs = {w: [{"op": "pgas-forget", "name": name, "run": seq, "epoch": self.epoch}] for w in self.world
                     if w in self.scheduler.workers}
             if msgs:
                 self.scheduler.send_all({}, msgs)

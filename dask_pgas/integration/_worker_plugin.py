@@ -179,9 +179,9 @@ class PGASWorkerPlugin(WorkerPlugin):
         self.broken: str | None = None
         self.poisoned = False  # a collective never returned: this process cannot join a new world
         self._staged: dict[str, tuple] = {}
-        self._results: dict[str, Any] = {}
         self._pending: dict[int, tuple[str, concurrent.futures.Future]] = {}
-        self._done: dict[int, concurrent.futures.Future] = {}  # run seq -> resolved when this PE's run ends
+        # run seq -> resolved with this PE's output box when its run ends here (dropped when Dask forgets it)
+        self._done: dict[int, concurrent.futures.Future] = {}
         self._done_lock = threading.Lock()
         self._next_seq = 0
         self._buffers: dict[str, Any] = {}
@@ -248,18 +248,15 @@ class PGASWorkerPlugin(WorkerPlugin):
             done = self._done.get(run)
             if done is None and run >= self._next_seq:  # not started here yet
                 done = self._done[run] = concurrent.futures.Future()
-        if done is not None:  # else it ran here and was forgotten since: the lookup below says so
-            try:
-                done.result(timeout=timeout)
-            except concurrent.futures.TimeoutError:
-                raise PGASWorldError(f"{name} did not finish on {self.worker.address} within {timeout:.0f}s") from None
-        try:
-            result = self._results[name]
-        except KeyError:
+        if done is None:  # it ran here and was forgotten since
             raise PGASWorldError(
                 f"the output of {name} is not on {self.worker.address}; it was released or the world was "
                 "re-bootstrapped: compute the rechunk again"
-            ) from None
+            )
+        try:
+            result = done.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise PGASWorldError(f"{name} did not finish on {self.worker.address} within {timeout:.0f}s") from None
         # a view: the box is this run's own array (results never alias the symmetric buffers), so a copy per
         # chunk would only double the memory traffic; the box's memory goes back to the pool with its last chunk
         return result if whole else result[box_slices]
@@ -338,7 +335,7 @@ class PGASWorkerPlugin(WorkerPlugin):
             await asyncio.wrap_future(fut)
         except Exception as exc:
             return {"status": "error", "message": f"{type(exc).__name__}: {exc}"}
-        return {"status": "OK", "buffer_bytes": self.heap_bytes(), **(await self._h_info())}
+        return {"status": "OK", **(await self._h_info())}
 
     async def _h_uniqueid(self) -> bytes:
         import dask_pgas
@@ -348,12 +345,11 @@ class PGASWorkerPlugin(WorkerPlugin):
             raise RuntimeStateError("this dask_pgas has no NVSHMEM unique-id bootstrap (GPU engine missing)")
         return await asyncio.wrap_future(self._thread.submit(make))
 
-    def _h_forget(self, name: str, run: int | None = None) -> None:
+    def _h_forget(self, name: str, run: int | None = None, epoch: int | None = None) -> None:
         self._staged.pop(name, None)
-        self._results.pop(name, None)
-        if run is not None:
+        if run is not None and epoch == self.epoch:  # run numbers restart with every world
             with self._done_lock:
-                self._done.pop(run, None)
+                self._done.pop(run, None)  # the output box goes with its last chunk
 
     def _h_fail(self, message: str, epoch: int) -> None:
         if epoch == self.epoch:
@@ -361,8 +357,12 @@ class PGASWorkerPlugin(WorkerPlugin):
             if self._thread.busy_since is not None or self._pending:
                 self.poisoned = True  # stuck in (or queued behind) a collective with a dead peer
             self._staged.clear()
-            self._results.clear()
-            self._fail_waiting(PGASWorldError(message))
+            error = PGASWorldError(message)
+            for _, fut in self._pending.values():  # runs waiting for an earlier one that will never come
+                if not fut.done():
+                    fut.set_exception(error)
+            self._pending.clear()
+            self._fail_waiting(error)
 
     def _fail_waiting(self, exc: BaseException) -> None:
         with self._done_lock:
@@ -424,7 +424,8 @@ class PGASWorkerPlugin(WorkerPlugin):
         for kind in sorted(self._buffers):
             free_symmetric_memory(self._buffers.pop(kind))
         self._staged.clear()
-        self._results.clear()
+        with self._done_lock:
+            self._done.clear()
         self._pool.clear()
         runtime.finalize()
         self.epoch = None
@@ -466,16 +467,16 @@ class PGASWorkerPlugin(WorkerPlugin):
     def _run_and_signal(self, name: str, seq: int) -> dict:
         done = self._run_done(seq)
         try:
-            info = self._run(name)
+            info, result = self._run(name)
         except BaseException as exc:
             if not done.done():
                 done.set_exception(exc)
             raise
         if not done.done():
-            done.set_result(None)
+            done.set_result(result)
         return info
 
-    def _run(self, name: str) -> dict:
+    def _run(self, name: str) -> tuple[dict, Any]:
         import numpy as np
 
         from .. import runtime
@@ -487,13 +488,10 @@ class PGASWorkerPlugin(WorkerPlugin):
             local_error = self.broken
         elif staged is None:
             local_error = f"no input staged for {name} on PE {self.pe}"
-        key = None if staged is None else staged[0]
-        everyone = control.allgather((local_error, key))  # every rank decides the same
-        errors = [(r, e) for r, (e, _) in enumerate(everyone) if e]
+        # every rank decides the same (the name is a token of the spec: one name, one spec everywhere)
+        errors = [(r, e) for r, e in enumerate(control.allgather(local_error)) if e]
         if errors:
             raise _RunError("; ".join(f"PE {r}: {e}" for r, e in errors))
-        if len({k for _, k in everyone}) != 1:
-            raise _RunError(f"PEs disagree on the plan of {name}")
         spec, pieces, arrays = staged
         t0 = time.perf_counter()
         if spec.delay:
@@ -514,6 +512,7 @@ class PGASWorkerPlugin(WorkerPlugin):
         #    below, so no PE enters the collective while another has given up.
         local_error = None
         try:
+            plan = self._plan(engine, spec)  # MPI plans are built locally: their failures are agreed on too
             src = None
             if not symmetric and len(pieces) == 1:
                 chunk_slices, box_slices = pieces[0]
@@ -535,16 +534,15 @@ class PGASWorkerPlugin(WorkerPlugin):
         if errors:
             raise _RunError("; ".join(f"PE {r}: {e}" for r, e in errors))
         # -- the one collective
-        plan = self._plan(engine, spec)
         t1 = time.perf_counter()
         plan.execute(src, dst)
         self.last_timings = {"prepare": t1 - t0, "execute": time.perf_counter() - t1, "ended_at": time.time()}
         # -- results live in ordinary (non-symmetric) arrays, so the buffers are free for the next run
-        self._results[name] = dst.copy() if symmetric else dst
+        result = dst.copy() if symmetric else dst
         self.runs += 1
         dt = time.perf_counter() - t0
         self.collective_seconds += dt
-        return {"pe": self.pe, "seconds": dt}
+        return {"pe": self.pe, "seconds": dt}, result
 
 
 def get_plugin(worker=None) -> PGASWorkerPlugin:

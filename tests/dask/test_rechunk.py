@@ -265,3 +265,44 @@ def test_bad_chunk_on_one_pe_fails_the_run_not_the_world(client):
     assert "ValueError" in f"{info.type.__name__}: {info.value}"
     assert dask_pgas.world(client).broken is None
     np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (60, 10)).compute()), ref)
+
+
+def test_cancelled_rechunk_computes_again(client, tmp_path):
+    """Cancel a rechunk after one PE's transfer task is done, then compute it again with that PE last: the run
+    must wait for every transfer of the new attempt (a stale 'ready' PE once started it too early)."""
+    p = dask_pgas.world(client).npes
+    if p < 2:
+        pytest.skip("needs two PEs")
+    import time
+
+    flag = str(tmp_path / "second-attempt")
+    ref = _reference((40, 20 * p), "float64")
+
+    def paced(block, block_info=None):
+        import os
+        import time as _time
+
+        first = block_info[0]["chunk-location"][1] == 0
+        second_attempt = os.path.exists(flag)
+        if first == second_attempt:  # attempt 1: block 0 fast, the rest slow; attempt 2: the other way round
+            _time.sleep(1.5)
+        return block
+
+    x = on_device(da.from_array(ref, chunks=(40, 20)))
+    x = x.map_blocks(paced, dtype=ref.dtype, meta=x._meta)
+    y = dask_pgas.rechunk(x, (10, 20 * p))
+
+    def transfers_in_memory(dask_scheduler):
+        return sum(1 for k, ts in dask_scheduler.tasks.items()
+                   if isinstance(k, tuple) and str(k[0]).startswith("pgas-transfer-") and ts.state == "memory")
+
+    fut = client.compute(y)
+    deadline = time.monotonic() + 60
+    while client.run_on_scheduler(transfers_in_memory) == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    fut.cancel()
+    del fut
+    while client.run_on_scheduler(transfers_in_memory) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    open(flag, "w").close()
+    np.testing.assert_array_equal(host(y.compute()), ref)
