@@ -208,18 +208,13 @@ def _forget(rec: _Record) -> None:
         del _by_id[id(arr)]
 
 
-def _allocate_internal(engine: Engine, shape: Sequence[int], dtype: Any, package: str, order: str,
-                       padded_nbytes: int | None = None) -> Any:
-    """Padded symmetric allocation made by the library itself (for example a reshape result).
-
-    ``padded_nbytes``: the size every rank allocates, when the caller knows it on every rank (a reshape knows
-    all output boxes); otherwise the ranks exchange their sizes.
-    """
+def _allocate_internal(engine: Engine, padded_nbytes: int, shape: Sequence[int], dtype: Any, package: str,
+                       order: str) -> Any:
+    """Symmetric allocation made by the library itself (a reshape result): ``padded_nbytes`` on every rank, a
+    size every caller knows globally (no exchange), viewed as this rank's ``shape``."""
     dims = tuple(shape)
-    nbytes = math.prod(dims) * to_numpy_dtype(dtype).itemsize
     with _lock:
-        size = max(engine.control.allgather(nbytes)) if padded_nbytes is None else padded_nbytes
-        allocation = engine.allocate(size)
+        allocation = engine.allocate(padded_nbytes)
         array = engine.as_array(allocation, dims, dtype, package, order)
         _register(engine, allocation, array, f"{package} {dims} {to_numpy_dtype(dtype)}")
     return array

@@ -209,6 +209,14 @@ class Reshape:
             raise DistributionError(
                 f"input boxes cover {din} but output boxes cover {dout}: both must tile the same global domain"
             )
+        order = Reshape._order(descs)
+        dense = [d["c"] if order == "C" else d["f"] for d in descs]
+        if descs[0]["package"] != "numpy" and not all(dense):
+            # host operands are copied into the order; GPU operands cannot be, and one rank alone must not raise
+            raise UnsupportedOperandError(
+                f"GPU operands must all be {order}-contiguous; they are not on ranks "
+                f"{[r for r, ok in enumerate(dense) if not ok]}"
+            )
 
     @staticmethod
     def _order(descs: list[dict]) -> str:
@@ -261,10 +269,11 @@ class Reshape:
                 raise SymmetricMemoryError(
                     "new operand must " + ("" if self._symmetric else "not ") + "be symmetric memory, like the first"
                 )
+            conformed = self._conform(operand)
         except Exception as exc:  # reported to all ranks, never raised alone
             error = (type(exc).__name__, str(exc))
         _raise_first([{"error": e} for e in self._engine.control.allgather(error)])
-        self._operand = self._conform(operand)
+        self._operand = conformed
 
     def execute(self, *, stream: Any = None, sync_symmetric_memory: bool = True) -> Any:
         """Run the reshape (collective) and return this rank's output box as a new array."""
@@ -275,7 +284,7 @@ class Reshape:
         if self._symmetric:
             # every rank knows every output box: the common padded size needs no exchange
             padded = max(b.size for b in self._spec.output_boxes) * self._spec.dtype.itemsize
-            result = _allocate_internal(self._engine, shape, self._spec.dtype, self._package, order, padded)
+            result = _allocate_internal(self._engine, padded, shape, self._spec.dtype, self._package, order)
         else:
             result = self._recycled_result()
             if result is None:

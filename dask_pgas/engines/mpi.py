@@ -114,7 +114,6 @@ class MPIReshapePlan(ReshapePlan):
                 self._send_displs[peer] = offset * item
         if packing:
             self._pack_buffer = np.empty(position, dtype=np.uint8)
-        self.bytes_sent = sum(p.size for _, p, _ in sends) * item
 
     def _subarray(self, base, whole, piece, order):
         starts = [p - w for p, w in zip(piece.lower, whole.lower)]

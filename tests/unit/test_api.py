@@ -93,3 +93,20 @@ def test_results_are_recycled_only_when_dropped():
             assert fourth is not second
     finally:
         dask_pgas.finalize()
+
+
+def test_gpu_operands_in_mixed_layouts_fail_on_every_rank():
+    """Rank 0 F-contiguous, rank 1 C-contiguous GPU operands: the global check (run identically on every
+    rank) refuses them, so no rank raises alone after the agreement while the others plan."""
+    from dask_pgas.errors import UnsupportedOperandError
+    from dask_pgas.reshape import Reshape
+
+    def desc(lo, up, c, f):
+        return {"error": None, "in": ((lo, 0), (up, 4)), "out": ((0, lo), (4, up)), "package": "cupy",
+                "dtype": "<f8", "symmetric": True, "c": c, "f": f}
+
+    descs = [desc(0, 2, False, True), desc(2, 4, True, False)]
+    with pytest.raises(UnsupportedOperandError, match=r"C-contiguous.*ranks \[0\]"):
+        Reshape._check_global(descs)
+    Reshape._check_global([desc(0, 2, True, True), desc(2, 4, True, False)])  # all C: fine
+    Reshape._check_global([dict(d, package="numpy") for d in descs])  # host operands are copied into order
