@@ -132,7 +132,10 @@ def _bisect(
             # one chunk for several PEs and chunks must stay whole: one PE builds it, the others get nothing
             out.extend([(lo, up)] + [(lo, lo)] * (npes - 1))
             return
-        ax = max(range(len(ext)), key=lambda a: (ext[a], -a))
+        if prefer_axis is not None and ext[prefer_axis] >= 2:  # slabs along the preferred axis, as above
+            ax = prefer_axis
+        else:
+            ax = max(range(len(ext)), key=lambda a: (ext[a], -a))
         if ext[ax] < 2:
             out.extend([(lo, up)] + [(lo, lo)] * (npes - 1))
             return
@@ -316,13 +319,6 @@ def _plan_cached(chunks_in: Chunks, chunks_out: Chunks, npes: int, locs: tuple) 
         inputs=inputs,
         outputs=tuple(outputs),
     )
-
-
-def empty_chunks(chunks: Chunks) -> list[Index]:
-    """Indices of chunks with no elements (they need no data movement)."""
-    sizes = [np.asarray(c) for c in chunks]
-    return [idx for idx in np.ndindex(*(len(c) for c in chunks)) if any(sizes[a][i] == 0 for a, i in enumerate(idx))]
-
 
 
 def chunk_sources(chunks_in: Chunks, chunks_out: Chunks):

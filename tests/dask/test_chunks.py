@@ -140,6 +140,8 @@ def test_output_boxes_follow_input_boxes():
     n, p = 120, 3
     plan = plan_chunks(((n,), (n // p,) * p), ((n // 4, n // 4, n // 2), (n // p,) * p), p)
     assert plan.is_local and plan.output_boxes == plan.input_boxes
+    # a single input chunk cut for several PEs follows the preferred (slab) axis: row slabs stay local
+    assert plan_chunks(((100,), (100,)), ((25,) * 4, (100,)), 4).is_local
     # one PE: always local
     assert plan_chunks(((7, 3), (5,)), ((2, 8), (1, 4)), 1).is_local
 
