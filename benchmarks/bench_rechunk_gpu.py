@@ -119,7 +119,6 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tasks-limit", default="4GiB", help="largest size also run with Dask tasks")
     ap.add_argument("--heap-limit", default="8GiB", help="NVSHMEM heap per worker (pgas-collective rows)")
-    ap.add_argument("--smoke-cpu", action="store_true", help=argparse.SUPPRESS)  # CPU workers, a cupy stand-in
     args = ap.parse_args()
 
     from dask.utils import format_bytes, parse_bytes
@@ -128,8 +127,7 @@ def main() -> int:
     import dask_pgas
 
     ok = True
-    backends, gpus = (["mpi"], 0) if args.smoke_cpu else (["nvshmem"], 1)
-    with dask_pgas.LocalMPICluster(n_workers=args.workers, backends=backends, gpus=gpus) as cluster, \
+    with dask_pgas.LocalMPICluster(n_workers=args.workers, backends=["nvshmem"], gpus=1) as cluster, \
             Client(cluster) as client:
         print(f"{args.workers} GPU worker(s): {cluster.world}")
         print(f"{'size':>10} {'method':<16} {'cols->rows':>12} {'rows->cols':>12} {'of D2D copy':>14}  check")

@@ -165,14 +165,13 @@ class LocalMPICluster:
     def worker_pids(self) -> list[int]:
         """PIDs of the MPI worker processes (children of mpiexec)."""
         pids = []
-        for proc in [self._workers]:
-            try:
-                out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout
-            except OSError:  # pragma: no cover
-                return pids
-            for child in out.split():
-                grand = subprocess.run(["pgrep", "-P", child], capture_output=True, text=True).stdout.split()
-                pids.extend(int(g) for g in grand) if grand else pids.append(int(child))
+        try:
+            out = subprocess.run(["pgrep", "-P", str(self._workers.pid)], capture_output=True, text=True).stdout
+        except OSError:  # pragma: no cover
+            return pids
+        for child in out.split():
+            grand = subprocess.run(["pgrep", "-P", child], capture_output=True, text=True).stdout.split()
+            pids.extend(int(g) for g in grand) if grand else pids.append(int(child))
         return pids
 
     # ------------------------------------------------------------------ closing

@@ -76,7 +76,7 @@ def barrier(name: str, epoch: int, *transfers: int) -> int:
     from distributed.utils import sync
 
     worker = get_worker()
-    result = sync(worker.loop, worker.scheduler.pgas_barrier, name=name, epoch=epoch, wait=False)
+    result = sync(worker.loop, worker.scheduler.pgas_barrier, name=name, epoch=epoch)
     if result["status"] != "OK":
         raise CollectiveError(result["message"])
     return result["run"]

@@ -40,7 +40,7 @@ from typing import Any
 import dask
 import numpy as np
 
-from ._exceptions import PGASRechunkUnsupported, PGASWorldError
+from ._exceptions import PGASRechunkUnsupported
 from ._worker_plugin import RunSpec
 
 __all__ = ["install", "installed", "rechunk", "uninstall"]
@@ -251,5 +251,3 @@ def uninstall() -> None:
         if getattr(package, "rechunk", None) is wrapper:
             package.rechunk = wrapper.__pgas_original__
 
-
-__all__ += ["PGASWorldError"]

@@ -236,20 +236,18 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             return {"status": "OK", "workers": res}
 
     # ---------------------------------------------------------------- runs
-    async def barrier(self, name: str, epoch: int, wait: bool = True) -> dict:
-        """Called by the barrier task: the run of ``name`` (started now unless the transition hook already
-        started it when the last transfer task finished). ``wait=False`` returns its number at once (output
-        tasks then wait on their own worker for the run to end there); otherwise its result."""
+    async def barrier(self, name: str, epoch: int) -> dict:
+        """Called by the barrier task: the number of the run of ``name`` (started now unless the transition
+        hook already started it when the last transfer task finished), at once; output tasks then wait on
+        their own worker for the run to end there."""
         run = self._runs.get(name)
         if run is None:
             if name in self._finished:  # kept for the P barrier tasks until the run starts again
                 return self._finished[name]
             run = self._start(name, epoch)
-        if not wait:
-            if run.error is not None:
-                return {"status": "error", "message": run.error}
-            return {"status": "OK", "run": run.seq}
-        return await asyncio.shield(run.task)
+        if run.error is not None:
+            return {"status": "error", "message": run.error}
+        return {"status": "OK", "run": run.seq}
 
     def _start(self, name: str, epoch: int) -> _Run:
         """Number the run of ``name`` and tell every member to run it (all transfer tasks are done)."""
@@ -270,15 +268,19 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         if error is None:
             self._last_seq[name] = seq
         self._runs[name] = run
-        run.task = asyncio.ensure_future(self._drive(run, epoch, error))
+        run.task = asyncio.ensure_future(self._drive(run, epoch))
         return run
 
-    async def _drive(self, run: _Run, epoch: int, error: str | None) -> dict:
+    async def _drive(self, run: _Run, epoch: int) -> dict:
         name = run.name
         try:
-            if error is not None:
-                return {"status": "error", "message": error}
-            result = await self._collective(run, epoch)
+            if run.error is not None:
+                return {"status": "error", "message": run.error}
+            try:
+                result = await self._collective(run, epoch)
+            except Exception as exc:  # the run is numbered and output tasks wait for it: never leave it open
+                self._break(f"pgas rechunk {name}: the scheduler could not drive the collective: {exc!r}")
+                result = {"status": "error", "message": self.broken}
         finally:
             self._runs.pop(name, None)
         self._finished[name] = result
