@@ -185,6 +185,7 @@ class PGASWorkerPlugin(WorkerPlugin):
         self._done_lock = threading.Lock()
         self._next_seq = 0
         self._buffers: dict[str, Any] = {}
+        self._scratch_buf = None
         self._plans: OrderedDict = OrderedDict()
         self._pool = _OutputPool()
         self.runs = 0
@@ -427,6 +428,7 @@ class PGASWorkerPlugin(WorkerPlugin):
         with self._done_lock:
             self._done.clear()
         self._pool.clear()
+        self._scratch_buf = None
         runtime.finalize()
         self.epoch = None
         self.pe = None
@@ -445,6 +447,15 @@ class PGASWorkerPlugin(WorkerPlugin):
             free_symmetric_memory(current)
         self._buffers[kind] = buf = allocate_symmetric_memory((size,), package, dtype="uint8")
         return buf
+
+    def _scratch(self, nbytes: int):
+        """Local (not symmetric) packing memory for engines whose operands need not be on the heap."""
+        import numpy as np
+
+        if self._scratch_buf is None or self._scratch_buf.nbytes < nbytes:
+            self._scratch_buf = None
+            self._scratch_buf = np.empty(nbytes, np.uint8)
+        return self._scratch_buf
 
     def _plan(self, engine, spec: RunSpec):
         from ..engines.base import ReshapeSpec
@@ -503,9 +514,9 @@ class PGASWorkerPlugin(WorkerPlugin):
         max_in = max(b.size for b in spec.input_boxes) * dtype.itemsize
         max_out = max(b.size for b in spec.output_boxes) * dtype.itemsize
         symmetric = engine.requires_symmetric_operands
-        sym_pkg = engine.packages[0]
-        in_buf = self._buffer("in", max_in, sym_pkg)  # grown collectively, same sizes everywhere
-        out_buf = self._buffer("out", max_out, sym_pkg) if symmetric else None
+        if symmetric:  # grown collectively, same sizes everywhere
+            in_buf = self._buffer("in", max_in, engine.packages[0])
+            out_buf = self._buffer("out", max_out, engine.packages[0])
 
         # -- pack: the owner's chunk pieces -> its input box (zero copy when one C-contiguous chunk is the box),
         #    and the output box. Local work: a failure here (a chunk of the wrong dtype, no memory) is agreed on
@@ -519,8 +530,9 @@ class PGASWorkerPlugin(WorkerPlugin):
                 view = arrays[0][chunk_slices]
                 if view.shape == in_box.shape and view.dtype == dtype and view.flags.c_contiguous:
                     src = view
-            if src is None:
-                src = in_buf[: in_box.size * dtype.itemsize].view(dtype).reshape(in_box.shape)
+            if src is None:  # operands off the heap (MPI) pack into local scratch memory: no collective
+                buf = in_buf if symmetric else self._scratch(in_box.size * dtype.itemsize)
+                src = buf[: in_box.size * dtype.itemsize].view(dtype).reshape(in_box.shape)
                 for (chunk_slices, box_slices), arr in zip(pieces, arrays):
                     src[box_slices] = arr[chunk_slices]
             if symmetric:
