@@ -255,11 +255,6 @@ def _plan_cached(chunks_in: Chunks, chunks_out: Chunks, npes: int, locs: tuple) 
         pes = np.array([v for _, v in locs], dtype=np.int64)
         ok = (pes >= 0) & (pes < npes)
         owner_grid[tuple(index[ok].T)] = pes[ok]
-    sizes = np.ones((), dtype=np.float64)
-    for ax, c in enumerate(chunks_in):
-        shape_ax = [1] * len(chunks_in)
-        shape_ax[ax] = len(c)
-        sizes = sizes * np.asarray(c, dtype=np.float64).reshape(shape_ax)
     bounds_in, bounds_out = _bounds(chunks_in), _bounds(chunks_out)
     best = None
     candidates = (None, *range(len(shape))) if npes <= 64 else (None,)
@@ -270,12 +265,15 @@ def _plan_cached(chunks_in: Chunks, chunks_out: Chunks, npes: int, locs: tuple) 
             for k, b in enumerate(boxes):
                 if b.is_empty:
                     continue
-                sel = tuple(
-                    slice(int(np.searchsorted(bo, lo_, side="right")) - 1,
-                          int(np.searchsorted(bo, up_, side="left")))
-                    for bo, lo_, up_ in zip(bounds_in, b.lower, b.upper)
-                )
-                own, sz = owner_grid[sel].ravel(), np.broadcast_to(sizes, owner_grid.shape)[sel].ravel()
+                sel, overlap = [], np.ones(())
+                for bo, lo_, up_ in zip(bounds_in, b.lower, b.upper):
+                    i = int(np.searchsorted(bo, lo_, side="right")) - 1
+                    j = int(np.searchsorted(bo, up_, side="left"))
+                    sel.append(slice(i, j))
+                    # elements of each chunk along this axis that lie in the box (a box may cut a chunk)
+                    width = np.minimum(bo[i + 1 : j + 1], up_) - np.maximum(bo[i:j], lo_)
+                    overlap = np.multiply.outer(overlap, width.astype(np.float64))
+                own, sz = owner_grid[tuple(sel)].ravel(), overlap.ravel()
                 known = own >= 0
                 weights[k] = np.bincount(own[known], weights=sz[known], minlength=npes)[:npes]
         order = match_owners(weights)
