@@ -86,11 +86,9 @@ class NVSHMEM:
             "nvshmem_my_pe": (c_int, []),
             "nvshmem_n_pes": (c_int, []),
             "nvshmem_malloc": (vp, [sz]),
-            "nvshmem_align": (vp, [sz, sz]),
             "nvshmem_free": (None, [vp]),
             "nvshmem_ptr": (vp, [vp, c_int]),
             "nvshmem_barrier_all": (None, []),
-            "nvshmemx_barrier_all_on_stream": (None, [vp]),
             "nvshmemx_sync_all_on_stream": (None, [vp]),
             "nvshmem_getmem": (None, [vp, vp, sz, c_int]),
             "nvshmem_quiet": (None, []),
@@ -136,9 +134,6 @@ class NVSHMEM:
                 )
             return self.lib.nvshmemx_init_status()
 
-    def init_status(self) -> int:
-        return self.lib.nvshmemx_init_status()
-
     def finalize(self) -> None:
         with self.lock:
             self.lib.nvshmemx_hostlib_finalize()
@@ -174,9 +169,6 @@ class NVSHMEM:
 
     def sync_all_on_stream(self, stream: int) -> None:
         self.lib.nvshmemx_sync_all_on_stream(ctypes.c_void_p(stream or None))
-
-    def barrier_all_on_stream(self, stream: int) -> None:
-        self.lib.nvshmemx_barrier_all_on_stream(ctypes.c_void_p(stream or None))
 
     def getmem(self, dst: int, src: int, nbytes: int, pe: int) -> None:
         with self.lock:

@@ -317,8 +317,8 @@ class NVSHMEMEngine(Engine):
         return None
 
     @classmethod
-    def _bring_up(cls, uid: bytes | None, rank: int, nranks: int, device: int, control: ControlPlane | None,
-                  make_uid=None) -> NVSHMEMEngine:
+    def _bring_up(cls, uid: bytes, rank: int, nranks: int, device: int, control: ControlPlane | None
+                  ) -> NVSHMEMEngine:
         from ..bindings import nvshmem
         from ..bindings.cuda import driver
 
@@ -326,8 +326,6 @@ class NVSHMEMEngine(Engine):
         drv.make_current(device)
         _use_device_in_packages(device)
         nv = nvshmem.load()
-        if make_uid is not None:
-            uid = make_uid(nv)
         status = nv.init_with_uniqueid(uid, rank, nranks)
         if status < 2:
             raise BackendUnavailableError(f"NVSHMEM did not initialize (status {status}); set NVSHMEM_DEBUG=INFO")
