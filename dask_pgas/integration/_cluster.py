@@ -40,6 +40,26 @@ def _mpiexec() -> str:
     return found
 
 
+def _launcher_env(mpiexec: str, env: dict[str, str]) -> dict[str, str]:
+    """``env`` plus launcher defaults (the caller's own settings win).
+
+    Open MPI's ``mpiexec`` binds each rank to ONE core when it starts two ranks or fewer (and to a socket
+    otherwise). A Dask worker is several threads (event loop, task threads, the collective thread, CUDA's):
+    pinned to one core they take turns, and every scheduler round trip gets slower. Workers are left unbound
+    (``OMPI_MCA_hwloc_base_binding_policy=none``, i.e. ``--bind-to none``); MPICH's hydra binds nothing by
+    default.
+    """
+    try:
+        version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30,
+                                 stdin=subprocess.DEVNULL).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    env = dict(env)
+    if "Open MPI" in version or "OpenRTE" in version:
+        env.setdefault("OMPI_MCA_hwloc_base_binding_policy", "none")
+    return env
+
+
 class _Done:
     """``close()`` result that also works with ``await`` (``Client.shutdown`` awaits ``cluster.close()``)."""
 
@@ -89,13 +109,15 @@ class LocalMPICluster:
                  "--preload", "dask_pgas.integration._orphan_guard"],
             )
             self._wait_for_file(timeout)
+            mpiexec = _mpiexec()
+            self._worker_env = _launcher_env(mpiexec, self._env)
             self._worker_cmd = [
-                _mpiexec(), *mpiexec_args, "-n", str(n_workers), sys.executable,
+                mpiexec, *mpiexec_args, "-n", str(n_workers), sys.executable,
                 "-m", "dask_pgas.integration._worker_main", "--scheduler-file", self.scheduler_file,
                 "--nthreads", str(threads_per_worker), "--memory-limit", str(memory_limit),
                 "--local-directory", self._dir,
             ]
-            self._workers = self._spawn("workers", self._worker_cmd)
+            self._workers = self._spawn("workers", self._worker_cmd, self._worker_env)
             from distributed import Client
 
             with Client(self.scheduler_address, timeout=timeout) as client:
@@ -122,13 +144,13 @@ class LocalMPICluster:
             if self._workers.poll() is None or self.status != Status.running or not self._restart_workers:
                 continue
             self.restarts += 1
-            self._workers = self._spawn(f"workers-{self.restarts}", self._worker_cmd)
+            self._workers = self._spawn(f"workers-{self.restarts}", self._worker_cmd, self._worker_env)
 
-    def _spawn(self, what: str, cmd: list[str]) -> subprocess.Popen:
+    def _spawn(self, what: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(os.path.join(self._dir, f"{what}.log"), "wb")
         self._logs.append(log)
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env, start_new_session=True,
-                                stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env if env is None else env,
+                                start_new_session=True, stdin=subprocess.DEVNULL)
         self._procs.append(proc)
         return proc
 

@@ -1,0 +1,44 @@
+"""LocalMPICluster's launcher defaults: Open MPI ranks are left unbound, the caller's settings win."""
+
+from __future__ import annotations
+
+import stat
+
+import pytest
+
+pytest.importorskip("distributed")
+
+from dask_pgas.integration._cluster import _launcher_env
+
+KEY = "OMPI_MCA_hwloc_base_binding_policy"
+
+
+def _fake_mpiexec(tmp_path, banner: str) -> str:
+    path = tmp_path / "mpiexec"
+    path.write_text(f"#!/bin/sh\necho '{banner}'\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_open_mpi_workers_are_not_bound(tmp_path):
+    mpiexec = _fake_mpiexec(tmp_path, "mpiexec (OpenRTE) 4.1.6")
+    env = _launcher_env(mpiexec, {"A": "1"})
+    assert env == {"A": "1", KEY: "none"}
+
+
+def test_user_binding_wins(tmp_path):
+    mpiexec = _fake_mpiexec(tmp_path, "mpiexec (Open MPI) 5.0.3")
+    assert _launcher_env(mpiexec, {KEY: "core"})[KEY] == "core"
+
+
+def test_mpich_env_untouched(tmp_path):
+    mpiexec = _fake_mpiexec(tmp_path, "HYDRA build details:")
+    assert _launcher_env(mpiexec, {"A": "1"}) == {"A": "1"}
+
+
+def test_real_launcher_env_is_a_copy():
+    from dask_pgas.integration._cluster import _mpiexec
+
+    env = {"A": "1"}
+    out = _launcher_env(_mpiexec(), env)
+    assert out is not env and out["A"] == "1" and env == {"A": "1"}
