@@ -87,16 +87,17 @@ def output(name: str, pe: int, epoch: int, box_slices: tuple, whole: bool, run: 
     return get_plugin().take(name, pe, epoch, box_slices, whole, run)
 
 
-def assemble(pe: int, epoch: int, shape: tuple, pieces: tuple, *arrays: Any) -> Any:
-    """On PE ``pe``: an output chunk built from input chunk pieces that are already on this PE (local plan)."""
+def assemble(pe: int, epoch: int, shape: tuple, dtype: str, pieces: tuple, *arrays: Any) -> Any:
+    """On PE ``pe``: an output chunk of the array's ``dtype`` built from input chunk pieces that are already
+    on this PE (local plan). (Dask can hand over chunks whose byte order differs from the array's dtype.)"""
     import numpy as np
 
     get_plugin().check(pe, epoch)
     if len(pieces) == 1:
         view = arrays[0][pieces[0][0]]
-        if view.shape == tuple(shape):
+        if view.shape == tuple(shape) and view.dtype == dtype:
             return view
-    out = np.empty_like(arrays[0], shape=shape)
+    out = np.empty_like(arrays[0], shape=shape, dtype=dtype)
     for (chunk_slices, out_slices), arr in zip(pieces, arrays):
         out[out_slices] = arr[chunk_slices]
     return out
@@ -155,5 +156,6 @@ def build_local_graph(x, plan, name: str, epoch: int) -> dict:
             continue
         refs = [TaskRef((x.name, *src)) for src, _, _ in pieces]
         slices = tuple((chunk_slices, out_slices) for _, chunk_slices, out_slices in pieces)
-        dsk[key] = PinnedTask(key, assemble, pe, epoch, shape, slices, *refs, pe=pe, epoch=epoch, npes=plan.npes)
+        dsk[key] = PinnedTask(key, assemble, pe, epoch, shape, x.dtype.str, slices, *refs, pe=pe, epoch=epoch,
+                              npes=plan.npes)
     return dsk
