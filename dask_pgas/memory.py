@@ -96,6 +96,8 @@ def allocate_symmetric_memory(
     try:
         dims = _normalize_shape(shape)
         np_dtype = to_numpy_dtype("float64" if dtype is None else dtype)
+        dtype = np_dtype if dtype is None else dtype
+        engine.check_dtype(dtype, pkg)  # before the collective allocate: a bad dtype leaks nothing
         if axis_order not in ("C", "F"):
             raise ValueError(f"axis_order must be 'C' or 'F', not {axis_order!r}")
         nbytes = math.prod(dims) * np_dtype.itemsize
@@ -110,10 +112,20 @@ def allocate_symmetric_memory(
                 "every allocation to the largest"
             )
         allocation = engine.allocate(max(sizes))
-        array = engine.as_array(allocation, dims, np_dtype if dtype is None else dtype, pkg, axis_order)
+        array = _view(engine, allocation, dims, dtype, pkg, axis_order)
         _register(engine, allocation, array, desc)
     log.debug("allocated symmetric %s (%d bytes on every rank)", desc, allocation.nbytes)
     return array
+
+
+def _view(engine: Engine, allocation: Allocation, dims: tuple[int, ...], dtype: Any, package: str,
+          order: str) -> Any:
+    """``engine.as_array``; on failure (the same on every rank: the arguments are agreed) the allocation is freed."""
+    try:
+        return engine.as_array(allocation, dims, dtype, package, order)
+    except BaseException:
+        engine.free(allocation)
+        raise
 
 
 def _register(engine: Engine, allocation: Allocation, array: Any, desc: str) -> None:
@@ -215,7 +227,7 @@ def _allocate_internal(engine: Engine, padded_nbytes: int, shape: Sequence[int],
     dims = tuple(shape)
     with _lock:
         allocation = engine.allocate(padded_nbytes)
-        array = engine.as_array(allocation, dims, dtype, package, order)
+        array = _view(engine, allocation, dims, dtype, package, order)
         _register(engine, allocation, array, f"{package} {dims} {to_numpy_dtype(dtype)}")
     return array
 

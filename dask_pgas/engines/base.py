@@ -18,7 +18,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .._arrays import to_numpy_dtype
 from ..distribution import Box
+from ..errors import UnsupportedOperandError
 
 __all__ = ["Allocation", "ControlPlane", "Engine", "ReshapePlan", "ReshapeSpec"]
 
@@ -38,6 +40,11 @@ class ControlPlane(ABC):
 
     def barrier(self) -> None:
         self.allgather(None)
+
+    def agree(self, error: str | None) -> list[tuple[int, str]]:
+        """Collective: the ranks whose local step failed, with their messages, the same list on every rank
+        (empty when all succeeded), so that every rank raises or none does."""
+        return [(r, e) for r, e in enumerate(self.allgather(error)) if e]
 
     def bcast(self, obj: Any, root: int = 0) -> Any:
         return self.allgather(obj if self.rank == root else None)[root]
@@ -149,6 +156,15 @@ class Engine(ABC):
     @abstractmethod
     def free(self, allocation: Allocation) -> None:
         """Collective: release an allocation (every rank frees the same ones in the same order)."""
+
+    def check_dtype(self, dtype: Any, package: str) -> None:
+        """Local, allocates nothing: raise (:class:`UnsupportedOperandError` or the package's own error) unless
+        :meth:`as_array` can view symmetric memory as ``dtype`` arrays of ``package``. Called before the
+        collective ``allocate`` so that a bad dtype is agreed on and nothing leaks."""
+        if to_numpy_dtype(dtype).hasobject:
+            raise UnsupportedOperandError(
+                f"symmetric memory cannot hold Python objects (dtype {to_numpy_dtype(dtype)}); use a numeric dtype"
+            )
 
     @abstractmethod
     def as_array(

@@ -23,7 +23,8 @@ import socket
 import struct
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -36,6 +37,7 @@ __all__ = [
     "NVSHMEMControl",
     "NVSHMEMEngine",
     "NVSHMEMReshapePlan",
+    "NVSHMEMSettings",
     "apply_env_defaults",
     "get_nvshmem_uniqueid",
     "initialize_from_uniqueid",
@@ -84,6 +86,67 @@ def apply_env_defaults(single_node: bool | None, environ: dict | None = None) ->
         env.setdefault("NVSHMEM_SYMMETRIC_SIZE", heap)
     env.setdefault("NVSHMEM_DISABLE_NCCL", "1")
     return {k: v for k, v in env.items() if before.get(k) != v}
+
+
+@dataclass(frozen=True)
+class NVSHMEMSettings:
+    """Environment that decides collective paths, read once at bring-up and agreed by every PE (ranks that took
+    different paths would hang):
+
+    * ``DASK_PGAS_NVSHMEM_RESHAPE=peer``: reshapes by peer copies, never cuFFTMp;
+    * ``DASK_PGAS_EMPTY_VIA_PEER=1``: reshapes with empty boxes go around cuFFTMp (see docs/gpu-validation.md);
+    * ``DASK_PGAS_NVSHMEM_POOL_BYTES`` (default a quarter of ``NVSHMEM_SYMMETRIC_SIZE``; 0 disables): how many
+      bytes of freed blocks the symmetric pool keeps instead of ``nvshmem_free`` (collective).
+    """
+
+    force_peer: bool = False
+    empty_via_peer: bool = False
+    pool_limit: int = (1 << 30) // 4
+
+    #: the variables each field is read from
+    VARIABLES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "force_peer": ("DASK_PGAS_NVSHMEM_RESHAPE",),
+        "empty_via_peer": ("DASK_PGAS_EMPTY_VIA_PEER",),
+        "pool_limit": ("DASK_PGAS_NVSHMEM_POOL_BYTES", "NVSHMEM_SYMMETRIC_SIZE"),
+    }
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str | None] | None = None) -> NVSHMEMSettings:
+        env = os.environ if environ is None else environ
+        pool = env.get("DASK_PGAS_NVSHMEM_POOL_BYTES")
+        return cls(
+            force_peer=env.get("DASK_PGAS_NVSHMEM_RESHAPE") == "peer",
+            empty_via_peer=env.get("DASK_PGAS_EMPTY_VIA_PEER") == "1",
+            pool_limit=parse_size(env.get("NVSHMEM_SYMMETRIC_SIZE")) // 4 if not pool else parse_size(pool),
+        )
+
+    @classmethod
+    def agreed(cls, control: ControlPlane, environ: Mapping[str, str] | None = None) -> NVSHMEMSettings:
+        """Collective: this PE's settings, once every PE has the same; else every PE raises the same
+        :class:`BackendUnavailableError` naming the variable and its value on each rank."""
+        env = os.environ if environ is None else environ
+        raw = {name: env.get(name) for names in cls.VARIABLES.values() for name in names}
+        mine, error = None, None
+        try:
+            mine = cls.from_env(raw)
+        except Exception as exc:  # reported to all ranks, never raised alone
+            error = f"{type(exc).__name__}: {exc}"
+        everyone = control.allgather((raw, mine, error))
+        bad = [(r, e) for r, (_, _, e) in enumerate(everyone) if e]
+        if bad:
+            raise BackendUnavailableError(f"the nvshmem engine cannot read its settings on rank {bad[0][0]}: "
+                                          f"{bad[0][1]}")
+        for field, names in cls.VARIABLES.items():
+            if len({getattr(s, field) for _, s, _ in everyone}) > 1:
+                values = "; ".join(
+                    f"rank {r}: " + ", ".join(f"{n}={'unset' if v[n] is None else repr(v[n])}" for n in names)
+                    for r, (v, _, _) in enumerate(everyone)
+                )
+                raise BackendUnavailableError(
+                    f"{' and '.join(names)} must be set alike on every rank (they decide collective paths); "
+                    f"by rank: {values}"
+                )
+        return mine
 
 
 # -- array helpers (CuPy and torch are imported only when used) -------------------------------------------------
@@ -277,6 +340,12 @@ class NVSHMEMEngine(Engine):
     def __init__(self, nv: Any, drv: Any, device: int, control: ControlPlane | None, status: int) -> None:
         self.nv, self.drv, self.device, self.status = nv, drv, device, status
         self.control = control if control is not None else NVSHMEMControl(nv, drv)
+        try:
+            self.settings = NVSHMEMSettings.agreed(self.control)
+        except BaseException:
+            if control is None:  # every PE raises here together: the collective free is safe
+                self.control.free()
+            raise
         self.my_pe = nv.my_pe()
         self._allocs: dict[int, int] = {}  # ptr -> nbytes, engine-wide (user and internal)
         self._pool: dict[int, list[int]] = {}  # nbytes -> freed blocks kept for reuse
@@ -329,11 +398,15 @@ class NVSHMEMEngine(Engine):
         status = nv.init_with_uniqueid(uid, rank, nranks)
         if status < 2:
             raise BackendUnavailableError(f"NVSHMEM did not initialize (status {status}); set NVSHMEM_DEBUG=INFO")
-        if nv.my_pe() != rank or nv.n_pes() != nranks:
-            raise BackendUnavailableError(
-                f"NVSHMEM came up as PE {nv.my_pe()} of {nv.n_pes()}, expected {rank} of {nranks}"
-            )
-        return cls(nv, drv, device, control, status)
+        try:
+            if nv.my_pe() != rank or nv.n_pes() != nranks:
+                raise BackendUnavailableError(
+                    f"NVSHMEM came up as PE {nv.my_pe()} of {nv.n_pes()}, expected {rank} of {nranks}"
+                )
+            return cls(nv, drv, device, control, status)
+        except BaseException:
+            nv.finalize()  # no half-initialized NVSHMEM (the engine's own checks fail on every PE together)
+            raise
 
     @classmethod
     def create(cls, *, device_id: int | None = None, communicator: Any) -> NVSHMEMEngine:
@@ -376,14 +449,8 @@ class NVSHMEMEngine(Engine):
     # Freed blocks are kept for reuse (a symmetric pool): allocate/free are collective and run in the same order
     # with the same sizes on every PE, so every PE's pool holds the same blocks and a reused block is symmetric
     # (same heap offset everywhere). This takes nvshmem_malloc/free (collective, with barriers: milliseconds
-    # when several PEs share a GPU) out of repeated Reshape.execute() calls. DASK_PGAS_NVSHMEM_POOL_BYTES
-    # (default: a quarter of the heap; 0 disables) caps what is kept; it must be the same on every PE.
-    def _pool_limit(self) -> int:
-        value = os.environ.get("DASK_PGAS_NVSHMEM_POOL_BYTES")
-        if value is None or value == "":
-            return parse_size(os.environ.get("NVSHMEM_SYMMETRIC_SIZE")) // 4
-        return parse_size(value)
-
+    # when several PEs share a GPU) out of repeated Reshape.execute() calls. settings.pool_limit
+    # (DASK_PGAS_NVSHMEM_POOL_BYTES, agreed at bring-up) caps what is kept.
     def allocate(self, nbytes: int) -> Allocation:
         with self._lock:
             blocks = self._pool.get(nbytes)
@@ -405,7 +472,7 @@ class NVSHMEMEngine(Engine):
         self.drv.ctx_synchronize()  # like cudaFree: no stream may still use the memory
         with self._lock:
             self._allocs.pop(allocation.handle, None)
-            if self._pool_bytes + allocation.nbytes <= self._pool_limit():
+            if self._pool_bytes + allocation.nbytes <= self.settings.pool_limit:
                 self._pool.setdefault(allocation.nbytes, []).append(allocation.handle)
                 self._pool_bytes += allocation.nbytes
                 return
@@ -417,6 +484,19 @@ class NVSHMEMEngine(Engine):
         for blocks in pool.values():
             for ptr in blocks:
                 self.nv.free(ptr)
+
+    def check_dtype(self, dtype: Any, package: str) -> None:
+        super().check_dtype(dtype, package)
+        if package == "cupy":
+            import cupy
+
+            cupy.ndarray((0,), dtype=np.dtype(dtype))  # CuPy's own dtype check on array creation; allocates nothing
+        elif package == "torch":
+            import torch
+
+            _torch_dtype(torch, dtype)
+        else:
+            raise UnsupportedOperandError(f"the nvshmem engine allocates cupy or torch arrays, not {package}")
 
     def as_array(
         self, allocation: Allocation, shape: Sequence[int], dtype: Any, package: str, order: str = "C"
@@ -527,8 +607,9 @@ class NVSHMEMReshapePlan(ReshapePlan):
             self.layout = cufftmp_layout(spec.input_boxes, spec.output_boxes, item, spec.order)
         except UnsupportedLayout as exc:
             reason = str(exc)
-        force = os.environ.get("DASK_PGAS_NVSHMEM_RESHAPE", "")
-        if self.layout is not None and force != "peer" and not (self.layout.has_empty and _empty_via_peer()):
+        settings = engine.settings
+        if self.layout is not None and not settings.force_peer and not (self.layout.has_empty
+                                                                          and settings.empty_via_peer):
             self.mode = "cufftmp"
         elif engine.peers_mapped:
             self.mode = "peer"
@@ -537,36 +618,35 @@ class NVSHMEMReshapePlan(ReshapePlan):
                 (reason or "cuFFTMp does not accept boxes that are empty on some ranks")
                 + " (and the peer-copy fallback needs every PE's heap mapped, i.e. one node)"
             )
-        error = None
-        if self.mode == "cufftmp":
-            try:
-                self._make_cufftmp()
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
-        errors = engine.control.allgather(error)
         _trace(spec.rank, f"plan mode={self.mode} in={spec.input_box} out={spec.output_box} "
                           f"word={self.layout.word_size if self.layout else None}")
-        bad = [(r, e) for r, e in enumerate(errors) if e]
-        if bad:
-            self._handle = 0  # Make failed somewhere: a collective Destroy could hang, so the handle is left
-            self.free()
-            raise CollectiveError(f"planning the cuFFTMp reshape failed on rank {bad[0][0]}: {bad[0][1]}")
         if self.mode == "cufftmp":
+            try:
+                # the local steps agree before the collective Make: a rank that failed would not enter it
+                _agreed(engine.control, "preparing the cuFFTMp reshape", self._create_cufftmp)
+                _agreed(engine.control, "planning the cuFFTMp reshape", self._make_cufftmp)
+            except CollectiveError:
+                self._handle = 0  # Make did not complete everywhere: a collective Destroy could hang; leave it
+                self.free()
+                raise
             ws = max(engine.control.allgather(getattr(self, "_ws_local", 0)))
             if ws:
                 self._workspace = engine.nv.malloc(ws)
                 with engine._lock:
                     engine._allocs[self._workspace] = ws
 
-    def _make_cufftmp(self) -> None:
+    def _create_cufftmp(self) -> None:
+        """Local: load cuFFTMp and create the handle."""
         from ..bindings import cufftmp
 
-        cf = cufftmp.load()
-        lay, me = self.layout, self.spec.rank
+        self._cf = cufftmp.load()
+        self._handle = self._cf.create()
+
+    def _make_cufftmp(self) -> None:
+        """Collective (cufftMpMakeReshape); then the local workspace size."""
+        cf, lay, me = self._cf, self.layout, self.spec.rank
         lo_i, up_i, st_i = lay.input[me]
         lo_o, up_o, st_o = lay.output[me]
-        self._cf = cf
-        self._handle = cf.create()
         cf.make(self._handle, lay.word_size, lo_i, up_i, st_i, lo_o, up_o, st_o)
         ws = cf.workspace_size(self._handle)
         if ws:  # in practice 0; a rank needing one makes every rank allocate the same size below
@@ -595,21 +675,22 @@ class NVSHMEMReshapePlan(ReshapePlan):
             if self.nbytes_out:  # else both boxes are empty, possibly of different shapes
                 np.copyto(dst, src)
             return
-        drv = self.engine.drv
+        drv, control = self.engine.drv, self.engine.control
         s_in, s_out = self._staging()
-        error = None
-        try:
-            _trace(self.spec.rank, f"execute (host operands) mode={self.mode}")
+        _trace(self.spec.rank, f"execute (host operands) mode={self.mode}")
+
+        def upload() -> None:
             drv.memcpy(s_in, _ptr(src), self.nbytes_in)
             drv.stream_synchronize(0)
+
+        def run_and_download() -> None:
             self._run(s_in, s_out, 0, True)
             drv.stream_synchronize(0)
             drv.memcpy(_ptr(dst), s_out, self.nbytes_out)
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        bad = [(r, e) for r, e in enumerate(self.engine.control.allgather(error)) if e]
-        if bad:
-            raise CollectiveError(f"the reshape failed on rank {bad[0][0]}: {bad[0][1]}")
+
+        # every rank's input is on the heap before anyone enters the collective _run
+        _agreed(control, "copying the reshape input to the GPU", upload)
+        _agreed(control, "the reshape", run_and_download)
 
     def _run(self, src: int, dst: int, stream: int, sync: bool) -> None:
         if self.mode == "copy":
@@ -679,10 +760,16 @@ def _trace(rank: int, msg: str) -> None:
         print(f"[dask_pgas nvshmem pe {rank}] {msg}", file=sys.stderr, flush=True)
 
 
-def _empty_via_peer() -> bool:
-    """Route reshapes with empty boxes around cuFFTMp (default from what the H200 showed; see
-    docs/gpu-validation.md); ``DASK_PGAS_EMPTY_VIA_PEER=0/1`` overrides."""
-    return os.environ.get("DASK_PGAS_EMPTY_VIA_PEER", "0") == "1"
+def _agreed(control: ControlPlane, what: str, step: Callable[[], Any]) -> None:
+    """Run ``step`` on every rank, then raise the same :class:`CollectiveError` everywhere if it failed on any rank
+    (``control.agree``). A rank whose step failed must not go on to a collective alone: agree before each one."""
+    error = None
+    try:
+        step()
+    except Exception as exc:  # reported to all ranks, never raised alone
+        error = f"{type(exc).__name__}: {exc}"
+    if bad := control.agree(error):
+        raise CollectiveError(f"{what} failed on rank {bad[0][0]}: {bad[0][1]}")
 
 
 # -- bring-up without MPI ---------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from dask_pgas.distribution import Box
+from dask_pgas.engines.base import ControlPlane
 from dask_pgas.geometry.cufftmp_layout import (
     UnsupportedLayout,
     cufftmp_layout,
@@ -294,7 +295,7 @@ class _FakeDrv:
         pass
 
 
-class _FakeControl:
+class _FakeControl(ControlPlane):
     rank, size = 0, 1
 
     def allgather(self, obj):
@@ -304,7 +305,7 @@ class _FakeControl:
 def _fake_engine(monkeypatch, pool_bytes=None):
     import threading
 
-    from dask_pgas.engines.nvshmem import NVSHMEMEngine
+    from dask_pgas.engines.nvshmem import NVSHMEMEngine, NVSHMEMSettings
 
     if pool_bytes is None:
         monkeypatch.delenv("DASK_PGAS_NVSHMEM_POOL_BYTES", raising=False)
@@ -314,7 +315,7 @@ def _fake_engine(monkeypatch, pool_bytes=None):
     eng = NVSHMEMEngine.__new__(NVSHMEMEngine)
     eng.nv, eng.drv, eng.control, eng.device, eng.my_pe, eng.status = _FakeNV(), _FakeDrv(), _FakeControl(), 0, 0, 2
     eng._allocs, eng._pool, eng._pool_bytes, eng._plans, eng._lock = {}, {}, 0, [], threading.RLock()
-    eng.peers_mapped = True
+    eng.peers_mapped, eng.settings = True, NVSHMEMSettings.from_env()
     return eng
 
 
@@ -361,10 +362,11 @@ def test_plan_mode_decisions(monkeypatch, ins, outs, itemsize, mode):
     from dask_pgas.engines import nvshmem as eng_mod
     from dask_pgas.engines.base import ReshapeSpec
 
-    eng = _fake_engine(monkeypatch)
-    eng.control = type("C", (), {"rank": 0, "size": 2, "allgather": lambda self, o: [o, o]})()
-    monkeypatch.setattr(eng_mod.NVSHMEMReshapePlan, "_make_cufftmp", lambda self: None)
     monkeypatch.delenv("DASK_PGAS_NVSHMEM_RESHAPE", raising=False)
+    eng = _fake_engine(monkeypatch)
+    eng.control = type("C", (ControlPlane,), {"rank": 0, "size": 2, "allgather": lambda self, o: [o, o]})()
+    monkeypatch.setattr(eng_mod.NVSHMEMReshapePlan, "_create_cufftmp", lambda self: None)
+    monkeypatch.setattr(eng_mod.NVSHMEMReshapePlan, "_make_cufftmp", lambda self: None)
     spec = ReshapeSpec(tuple(ins), tuple(outs), np.dtype(f"V{itemsize}"), "C", 0)
     plan = eng.plan_reshape(spec)
     assert plan.mode == mode
@@ -376,7 +378,7 @@ def test_unpackable_without_peer_access_is_a_clear_error(monkeypatch):
 
     eng = _fake_engine(monkeypatch)
     eng.peers_mapped = False
-    eng.control = type("C", (), {"rank": 0, "size": 2, "allgather": lambda self, o: [o, o]})()
+    eng.control = type("C", (ControlPlane,), {"rank": 0, "size": 2, "allgather": lambda self, o: [o, o]})()
     ins = (Box((0, 0), (4, 3)), Box((0, 3), (4, 5)))
     outs = (Box((0, 0), (2, 5)), Box((2, 0), (4, 5)))
     with pytest.raises(UnsupportedOperandError, match="cannot be packed"):

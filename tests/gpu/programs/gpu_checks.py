@@ -5,6 +5,7 @@ rank, empty boxes, heap empty at the end, finalize and initialize again. Prints 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import traceback
@@ -165,8 +166,21 @@ def main():
         b = dask_pgas.allocate_symmetric_memory((2, 3), torch, dtype=torch.bfloat16, axis_order="F")
         assert b.dtype == torch.bfloat16 and b.stride() == (1, 2)
         dask_pgas.free_symmetric_memory(t, b)
+        refused_dtype(torch, "S8")  # torch has no bytes dtype
+
+    def refused_dtype(package, dtype):
+        # checked before the collective allocation: every rank raises, nothing is allocated
+        before = eng.heap_info()["heap_allocations"]
+        try:
+            dask_pgas.allocate_symmetric_memory((4,), package, dtype=dtype)
+        except errors.SymmetricMemoryError:
+            pass
+        else:
+            raise AssertionError(f"dtype {dtype} was not refused for {package.__name__}")
+        assert eng.heap_info()["heap_allocations"] == before, eng.heap_info()
 
     check("symmetric-memory-cupy", symmetric_cupy)
+    check("object-dtype-refused-cupy", lambda: refused_dtype(cp, object))
     check("symmetric-memory-torch", symmetric_torch)
 
     shape = (1001, 1001) if SIZE > 1 else (257, 129)
@@ -208,11 +222,39 @@ def main():
                                                         package="torch", expect_mode="copy"))
     if SIZE > 1:
         check("empty-boxes-torch", lambda: run_reshape((n, n), "float64", ins, outs, package="torch"))
-    os.environ["DASK_PGAS_NVSHMEM_RESHAPE"] = "peer"
+    agreed = eng.settings  # DASK_PGAS_NVSHMEM_RESHAPE=peer, as if set on every rank at bring-up
+    eng.settings = dataclasses.replace(agreed, force_peer=True)
     check("peer-forced", lambda: run_reshape(shape, "float64", *c2r, expect_mode="peer" if SIZE > 1 else "copy"))
     check("peer-forced-torch-F", lambda: run_reshape(s3, "complex64", slabs(s3, 0), slabs(s3, 2), package="torch",
                                                      order="F"))
-    del os.environ["DASK_PGAS_NVSHMEM_RESHAPE"]
+    eng.settings = agreed
+
+    def local_failures_agreed():
+        # a local step fails on the last rank only: nobody enters the collective after it, every rank raises
+        from dask_pgas.bindings import cufftmp
+
+        def injected(*args):
+            raise RuntimeError("injected failure")
+
+        def upload_fails(dst, src, nbytes):
+            (injected if eng.nv.ptr(dst, eng.my_pe) else real_memcpy)(dst, src, nbytes)
+
+        real_memcpy, cf = eng.drv.memcpy, cufftmp.load()
+        for obj, name, fake in ((eng.drv, "memcpy", upload_fails), (cf, "create", injected)):
+            if RANK == SIZE - 1:
+                setattr(obj, name, fake)
+            try:
+                run_reshape(shape, "float32", *c2r, package="numpy", expect_mode="cufftmp")
+            except errors.CollectiveError:
+                pass
+            else:
+                raise AssertionError(f"{name} failing on one rank did not raise")
+            finally:
+                obj.__dict__.pop(name, None)
+        run_reshape(shape, "float32", *c2r, package="numpy", expect_mode="cufftmp")
+
+    if SIZE > 1:
+        check("local-failures-agreed", local_failures_agreed)
 
     def bad_inputs():
         # a CuPy array not on the heap, on one rank only: every rank raises
@@ -244,6 +286,17 @@ def main():
     dask_pgas.finalize()
 
     def reinit():
+        if SIZE > 1:  # settings that differ across ranks: refused everywhere, NVSHMEM finalized again
+            os.environ["DASK_PGAS_EMPTY_VIA_PEER"] = "1" if RANK == 0 else "0"
+            try:
+                dask_pgas.initialize(None, COMM, backends=["nvshmem"])
+            except errors.BackendUnavailableError as exc:
+                assert "DASK_PGAS_EMPTY_VIA_PEER" in str(exc), exc
+            else:
+                raise AssertionError("different DASK_PGAS_EMPTY_VIA_PEER on the ranks did not raise")
+            finally:
+                os.environ.pop("DASK_PGAS_EMPTY_VIA_PEER")
+            assert not dask_pgas.is_initialized()
         dask_pgas.initialize(None, COMM, backends=["nvshmem"])
         run_reshape(shape, "float64", *c2r)
         dask_pgas.finalize()

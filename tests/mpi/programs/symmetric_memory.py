@@ -86,6 +86,23 @@ if SIZE > 1:
 case("empty allocation", lambda: dask_pgas.free_symmetric_memory(dask_pgas.allocate_symmetric_memory((0, 3), PKG)))
 
 
+def refused_dtype(dtype):
+    """The dtype is checked before the collective allocation: every rank raises and no block is left behind."""
+    eng = dask_pgas.runtime.get_engine(opts.backend)
+    blocks = (lambda: len(eng._windows)) if opts.backend == "mpi" else (lambda: eng.heap_info()["heap_allocations"])
+    before = blocks()
+    try:
+        dask_pgas.allocate_symmetric_memory((4,), PKG, dtype=dtype)
+    finally:
+        assert blocks() == before, "a refused allocation left a symmetric block allocated"
+
+
+case("object dtype is refused before allocating", lambda: refused_dtype(object), "SymmetricMemoryError")
+if SIZE > 1:
+    case("object dtype on one rank only", lambda: refused_dtype(object if RANK == SIZE - 1 else "float64"),
+         "SymmetricMemoryError")
+
+
 # -- free registry -------------------------------------------------------------------------------------------------
 def double_free():
     a = dask_pgas.allocate_symmetric_memory((4,), PKG)

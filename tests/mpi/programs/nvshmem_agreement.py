@@ -1,0 +1,297 @@
+"""The GPU engine's agreements on CPU ranks: the real ``nvshmem`` engine, plans and front end, over fakes of the CUDA
+driver, NVSHMEM and cuFFTMp. The fakes' collective calls (nvshmem_malloc/free/barrier, cufftMpMakeReshape/Exec/
+Destroy, init/finalize) are MPI barriers on a communicator of their own, so a rank that skips one while the others
+enter it leaves them blocked, and the launcher's timeout fails the test.
+
+Prints one ``CASE {json}`` line per rank and case (like bad_inputs.py), with what the fakes saw. ``CASES=word``
+runs only the cases whose name contains it. Needs >= 2 ranks.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import importlib.machinery
+import json
+import os
+import sys
+import types
+
+import numpy as np
+from _common import COMM, RANK, SIZE, report_ok
+
+import dask_pgas
+from dask_pgas import memory
+from dask_pgas.bindings import LibraryNotFound, cuda, cufftmp, nvshmem
+from dask_pgas.distribution import Box
+from dask_pgas.engines.nvshmem import NVSHMEMEngine
+from dask_pgas.reshape import reshape
+from dask_pgas.runtime import get_engine
+
+assert SIZE >= 2, "nvshmem_agreement needs at least 2 ranks"
+LIB = COMM.Dup()  # the fake libraries' own collectives: never the engine's control plane
+LAST = SIZE - 1  # the rank that fails
+
+
+class FakeNV:
+    def __init__(self):
+        self.live, self.calls = {}, collections.Counter()
+
+    def get_uniqueid(self):
+        return bytes(128)
+
+    def init_with_uniqueid(self, uid, rank, nranks):
+        self.calls["init"] += 1
+        LIB.Barrier()
+        return 2
+
+    def finalize(self):
+        self.calls["finalize"] += 1
+        LIB.Barrier()
+
+    def my_pe(self):
+        return RANK
+
+    def n_pes(self):
+        return SIZE
+
+    def malloc(self, nbytes):
+        self.calls["malloc"] += 1
+        LIB.Barrier()
+        buf = np.zeros(max(nbytes, 1), np.uint8)
+        self.live[buf.ctypes.data] = buf
+        return buf.ctypes.data
+
+    def free(self, ptr):
+        LIB.Barrier()
+        del self.live[ptr]
+
+    def ptr(self, ptr, pe):
+        return ptr  # every PE's heap "mapped"
+
+    def barrier_all(self):
+        LIB.Barrier()
+
+    def sync_all_on_stream(self, stream):
+        LIB.Barrier()
+
+
+class FakeDriver:
+    fail = None  # "h2d" or "d2h": this rank's copies in that direction raise
+
+    def make_current(self, device):
+        pass
+
+    def device_count(self):
+        return 1
+
+    def memcpy(self, dst, src, nbytes):
+        if self.fail == ("h2d" if dst in NV.live else "d2h"):
+            raise RuntimeError(f"cuMemcpy failed (fake, {self.fail})")
+        ctypes.memmove(dst, src, nbytes)
+
+    def memcpy_async(self, dst, src, nbytes, stream):
+        self.memcpy(dst, src, nbytes)
+
+    def stream_synchronize(self, stream):
+        pass
+
+    def ctx_synchronize(self):
+        pass
+
+
+class FakeCuFFTMp:
+    fail = None  # "create", "make" or "execute": this rank's call raises (make/execute after the barrier)
+
+    def __init__(self):
+        self.calls = collections.Counter()
+
+    def create(self):
+        self.calls["create"] += 1
+        if self.fail == "create":
+            raise RuntimeError("cufftMpCreateReshape failed (fake)")
+        return 1
+
+    def make(self, handle, word, *boxes):
+        self.calls["make"] += 1
+        LIB.Barrier()
+        if self.fail == "make":
+            raise RuntimeError("cufftMpMakeReshape failed (fake)")
+
+    def workspace_size(self, handle):
+        return 0
+
+    def execute(self, handle, out, inp, workspace, stream):
+        self.calls["execute"] += 1
+        LIB.Barrier()
+
+    def destroy(self, handle):
+        self.calls["destroy"] += 1
+        LIB.Barrier()
+
+
+def _no_cufftmp():
+    raise LibraryNotFound("libcufftMp is missing (fake)")
+
+
+NV, DRV, CF = FakeNV(), FakeDriver(), FakeCuFFTMp()
+nvshmem.load = lambda: NV
+cuda.driver = lambda: DRV
+cufftmp.load = lambda: CF
+NVSHMEMEngine.unavailable_reason = classmethod(lambda cls: None)
+# a torch stand-in with float64 only, for the dtype checks (never used as an array here)
+torch = types.ModuleType("torch")
+torch.__spec__ = importlib.machinery.ModuleSpec("torch", None)
+torch.dtype = type("dtype", (), {})
+torch.float64, torch.Tensor = torch.dtype(), type("Tensor", (), {})
+torch.cuda = types.SimpleNamespace(is_available=lambda: False)
+sys.modules["torch"] = torch
+SETTINGS = ("DASK_PGAS_NVSHMEM_RESHAPE", "DASK_PGAS_EMPTY_VIA_PEER", "DASK_PGAS_NVSHMEM_POOL_BYTES",
+            "NVSHMEM_SYMMETRIC_SIZE")
+for name in SETTINGS:
+    os.environ.pop(name, None)
+
+
+def case(name, fn):
+    """Run ``fn`` on every rank and report its outcome and the fakes' call counts; reset the injected failures."""
+    if os.environ.get("CASES", "") not in name:
+        return
+    before = NV.calls.copy(), CF.calls.copy()
+    try:
+        fn()
+        outcome = {"raised": "none", "message": ""}
+    except Exception as exc:
+        outcome = {"raised": type(exc).__name__, "message": str(exc)}
+    DRV.fail = CF.fail = None
+    cufftmp.load = lambda: CF
+    calls = {k: v for k, v in ((NV.calls - before[0]) + (CF.calls - before[1])).items() if v}
+    outcome.update(case=name, rank=RANK, calls=calls, initialized=dask_pgas.is_initialized())
+    outcomes = COMM.gather(outcome)
+    if RANK == 0:  # one writer: lines of several ranks never interleave
+        sys.stdout.write("".join("CASE " + json.dumps(o) + "\n" for o in outcomes))
+        sys.stdout.flush()
+
+
+def initialize():
+    dask_pgas.initialize(None, COMM, backends=["nvshmem"])
+
+
+# -- settings that decide collective paths are agreed at bring-up ------------------------------------------------
+def bring_up_with(**env):
+    """Bring the engine up with ``env`` set in this rank's environment, and back down; every failure must leave
+    neither an engine nor an initialized NVSHMEM behind."""
+    os.environ.update(env)
+    try:
+        initialize()
+        dask_pgas.finalize()
+    finally:
+        for name in env:
+            os.environ.pop(name, None)
+        assert not dask_pgas.is_initialized(), "a failed bring-up left an engine installed"
+        assert NV.calls["init"] == NV.calls["finalize"], f"NVSHMEM left initialized: {NV.calls}"
+        assert not NV.live, f"symmetric memory left allocated: {len(NV.live)} block(s)"
+
+
+case("settings: DASK_PGAS_NVSHMEM_RESHAPE differs",
+     lambda: bring_up_with(**({"DASK_PGAS_NVSHMEM_RESHAPE": "peer"} if RANK == 0 else {})))
+case("settings: DASK_PGAS_EMPTY_VIA_PEER differs",
+     lambda: bring_up_with(DASK_PGAS_EMPTY_VIA_PEER="1" if RANK == LAST else "0"))
+case("settings: DASK_PGAS_NVSHMEM_POOL_BYTES differs",
+     lambda: bring_up_with(DASK_PGAS_NVSHMEM_POOL_BYTES="0" if RANK == LAST else "64m"))
+case("settings: NVSHMEM_SYMMETRIC_SIZE differs", lambda: bring_up_with(NVSHMEM_SYMMETRIC_SIZE=f"{RANK + 1}g"))
+case("settings: unreadable pool size on one rank",
+     lambda: bring_up_with(**({"DASK_PGAS_NVSHMEM_POOL_BYTES": "lots"} if RANK == LAST else {})))
+case("settings: the same values spelled differently",
+     lambda: bring_up_with(NVSHMEM_SYMMETRIC_SIZE="1g" if RANK else "1073741824", DASK_PGAS_NVSHMEM_RESHAPE="auto"))
+
+
+def read_once(name, value):
+    """``name=value`` set on rank 0 after bring-up changes nothing: plan modes and the pool follow the agreed
+    settings (the defaults: cuFFTMp, and a pool that keeps the plan's staging buffers)."""
+    initialize()
+    try:
+        if RANK == 0:
+            os.environ[name] = value
+        col = Box((0, 4 * RANK), (4 * SIZE, 4 * RANK + 4))
+        row = Box((4 * RANK, 0), (4 * RANK + 4, 4 * SIZE))
+        with dask_pgas.Reshape(np.zeros(col.shape), col, row) as r:
+            r.plan()
+            assert r._plan.mode == "cufftmp", r._plan.mode
+            r.execute()
+        cached = get_engine("nvshmem").heap_info()["heap_bytes_cached"]
+        assert cached > 0, "the staging buffers were not kept by the pool"
+    finally:
+        os.environ.pop(name, None)
+        dask_pgas.finalize()
+
+
+case("settings: DASK_PGAS_NVSHMEM_RESHAPE read once at bring-up",
+     lambda: read_once("DASK_PGAS_NVSHMEM_RESHAPE", "peer"))
+case("settings: DASK_PGAS_NVSHMEM_POOL_BYTES read once at bring-up",
+     lambda: read_once("DASK_PGAS_NVSHMEM_POOL_BYTES", "0"))
+
+# -- host operands and cuFFTMp planning: a local failure is agreed before the next collective ------------------
+initialize()
+ENGINE = get_engine("nvshmem")
+N = 4 * SIZE
+
+
+def col(rank=RANK):
+    return Box((0, 4 * rank), (N, 4 * rank + 4))
+
+
+def row(rank=RANK):
+    return Box((4 * rank, 0), (4 * rank + 4, N))
+
+
+def failing(where, what):
+    """One reshape of NumPy operands with ``what`` failing on the last rank (``where``: DRV, CF or "load")."""
+    if RANK == LAST:
+        if where == "load":
+            cufftmp.load = _no_cufftmp
+        else:
+            where.fail = what
+    result = reshape(np.zeros(col().shape), col(), row())
+    assert result.shape == row().shape
+
+
+def healthy():
+    """A valid reshape right after a case: nobody is stuck, nothing leaked."""
+    result = reshape(np.zeros(col().shape), col(), row())
+    assert result.shape == row().shape
+    assert ENGINE.heap_info()["heap_allocations"] == 0, ENGINE.heap_info()
+
+
+case("execute: host-to-device copy fails on one rank", lambda: failing(DRV, "h2d"))
+case("execute: healthy after the failed upload", healthy)
+case("execute: device-to-host copy fails on one rank", lambda: failing(DRV, "d2h"))
+case("plan: loading cuFFTMp fails on one rank", lambda: failing("load", None))
+case("plan: cufftMpCreateReshape fails on one rank", lambda: failing(CF, "create"))
+case("plan: healthy after the failed create", healthy)
+case("plan: cufftMpMakeReshape fails on one rank", lambda: failing(CF, "make"))
+case("plan: healthy after the failed make", healthy)
+
+
+# -- a dtype the package cannot view is refused before the collective allocation -------------------------------
+def refused(dtype, internal=False):
+    if internal:
+        memory._allocate_internal(ENGINE, 64, (8,), np.dtype(dtype), "torch", "C")
+    else:
+        dask_pgas.allocate_symmetric_memory((8,), "torch", dtype=dtype)
+
+
+def no_leak():
+    assert ENGINE.heap_info()["heap_allocations"] == 0, ENGINE.heap_info()
+    assert dask_pgas.heap_usage()["allocations"] == 0, dask_pgas.heap_usage()
+
+
+case("dtype: torch has no such dtype, on every rank", lambda: refused("S8"))
+case("dtype: no leak after the refused dtype", no_leak)
+case("dtype: torch has no such dtype, on one rank", lambda: refused("S8" if RANK == LAST else "float64"))
+case("dtype: library-internal allocation frees its block when the view fails", lambda: refused("S8", True))
+case("dtype: no leak after the failed internal view", no_leak)
+
+dask_pgas.finalize()
+assert not NV.live, f"symmetric memory leaked: {len(NV.live)} block(s)"
+assert NV.calls["init"] == NV.calls["finalize"], NV.calls
+report_ok()

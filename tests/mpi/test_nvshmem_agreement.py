@@ -1,0 +1,63 @@
+"""The GPU engine agrees on every rank-local step before each collective: driven on CPU ranks with fakes of the
+CUDA driver, NVSHMEM and cuFFTMp whose collectives are MPI barriers (``programs/nvshmem_agreement.py``). A rank that
+skipped a collective would leave the others blocked: the launch then times out and fails."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.mpirun import agreed_outcomes, check, json_lines, run_mpi
+
+pytestmark = pytest.mark.mpi
+
+EXPECTED = {
+    "settings: DASK_PGAS_NVSHMEM_RESHAPE differs": "BackendUnavailableError",
+    "settings: DASK_PGAS_EMPTY_VIA_PEER differs": "BackendUnavailableError",
+    "settings: DASK_PGAS_NVSHMEM_POOL_BYTES differs": "BackendUnavailableError",
+    "settings: NVSHMEM_SYMMETRIC_SIZE differs": "BackendUnavailableError",
+    "settings: unreadable pool size on one rank": "BackendUnavailableError",
+    "settings: the same values spelled differently": "none",
+    "settings: DASK_PGAS_NVSHMEM_RESHAPE read once at bring-up": "none",
+    "settings: DASK_PGAS_NVSHMEM_POOL_BYTES read once at bring-up": "none",
+    "execute: host-to-device copy fails on one rank": "CollectiveError",
+    "execute: healthy after the failed upload": "none",
+    "execute: device-to-host copy fails on one rank": "CollectiveError",
+    "plan: loading cuFFTMp fails on one rank": "CollectiveError",
+    "plan: cufftMpCreateReshape fails on one rank": "CollectiveError",
+    "plan: healthy after the failed create": "none",
+    "plan: cufftMpMakeReshape fails on one rank": "CollectiveError",
+    "plan: healthy after the failed make": "none",
+    "dtype: torch has no such dtype, on every rank": "SymmetricMemoryError",
+    "dtype: no leak after the refused dtype": "none",
+    "dtype: torch has no such dtype, on one rank": "SymmetricMemoryError",
+    "dtype: library-internal allocation frees its block when the view fails": "UnsupportedOperandError",
+    "dtype: no leak after the failed internal view": "none",
+}
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_gpu_engine_agrees_before_collectives(nranks):
+    result = run_mpi("nvshmem_agreement.py", nranks, timeout=120)
+    check(result, nranks)
+    outcomes = agreed_outcomes(result, nranks)
+    assert {name: o["raised"] for name, o in outcomes.items()} == EXPECTED, result.stdout[-6000:]
+    for name, outcome in outcomes.items():
+        if name.startswith("settings: ") and name.endswith(" differs"):  # names the variable, values by rank
+            variable = name.split()[1]
+            for rank in range(nranks):
+                assert re.search(f"rank {rank}: [^;]*{variable}=", outcome["message"]), outcome
+    calls: dict[str, list[dict]] = {}
+    for o in json_lines(result, "CASE"):
+        calls.setdefault(o["case"], []).append(o["calls"])
+    never = {  # collectives no rank may enter after the local failure (nor Destroy after an incomplete Make)
+        "execute: host-to-device copy fails on one rank": ("execute",),
+        "plan: loading cuFFTMp fails on one rank": ("make", "destroy"),
+        "plan: cufftMpCreateReshape fails on one rank": ("make", "destroy"),
+        "plan: cufftMpMakeReshape fails on one rank": ("destroy",),
+        "dtype: torch has no such dtype, on every rank": ("malloc",),
+        "dtype: torch has no such dtype, on one rank": ("malloc",),
+    }
+    for name, forbidden in never.items():
+        assert not [c for c in calls[name] for f in forbidden if c.get(f)], (name, calls[name])
