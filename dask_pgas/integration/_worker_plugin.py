@@ -488,73 +488,91 @@ class PGASWorkerPlugin(WorkerPlugin):
         return info
 
     def _run(self, name: str) -> tuple[dict, Any]:
-        import numpy as np
-
         from .. import runtime
 
         staged = self._staged.pop(name, None)
-        control = runtime.get_engine(runtime.initialized_backends()[0]).control
+        engines = [runtime.get_engine(b) for b in runtime.initialized_backends()]
+        control = engines[0].control
         local_error = None
         if self.broken:
             local_error = self.broken
         elif staged is None:
             local_error = f"no input staged for {name} on PE {self.pe}"
-        # every rank decides the same (the name is a token of the spec: one name, one spec everywhere)
-        errors = [(r, e) for r, e in enumerate(control.allgather(local_error)) if e]
-        if errors:
-            raise _RunError("; ".join(f"PE {r}: {e}" for r, e in errors))
-        spec, pieces, arrays = staged
+        # Symmetric buffers grow collectively from the spec, so with such an engine in the world every rank
+        # first agrees that it holds the spec; otherwise one agreement after the local preparation suffices.
+        # (The same choice everywhere: it depends on the world, not on this run.)
+        buffers = None
+        if any(e.requires_symmetric_operands for e in engines):
+            if errors := control.agree(local_error):
+                raise _RunError("; ".join(f"PE {r}: {e}" for r, e in errors))
+            buffers = self._grow_buffers(staged[0])
         t0 = time.perf_counter()
-        if spec.delay:
-            time.sleep(spec.delay)
-        engine = runtime.engine_for_package(spec.package)
-        dtype = np.dtype(spec.dtype)
-        in_box = spec.input_boxes[self.pe]
-        out_box = spec.output_boxes[self.pe]
-        max_in = max(b.size for b in spec.input_boxes) * dtype.itemsize
-        max_out = max(b.size for b in spec.output_boxes) * dtype.itemsize
-        symmetric = engine.requires_symmetric_operands
-        if symmetric:  # grown collectively, same sizes everywhere
-            in_buf = self._buffer("in", max_in, engine.packages[0])
-            out_buf = self._buffer("out", max_out, engine.packages[0])
-
-        # -- pack: the owner's chunk pieces -> its input box (zero copy when one C-contiguous chunk is the box),
-        #    and the output box. Local work: a failure here (a chunk of the wrong dtype, no memory) is agreed on
-        #    below, so no PE enters the collective while another has given up.
-        local_error = None
-        try:
-            plan = self._plan(engine, spec)  # MPI plans are built locally: their failures are agreed on too
-            src = None
-            if not symmetric and len(pieces) == 1:
-                chunk_slices, box_slices = pieces[0]
-                view = arrays[0][chunk_slices]
-                if view.shape == in_box.shape and view.dtype == dtype and view.flags.c_contiguous:
-                    src = view
-            if src is None:  # operands off the heap (MPI) pack into local scratch memory: no collective
-                buf = in_buf if symmetric else self._scratch(in_box.size * dtype.itemsize)
-                src = buf[: in_box.size * dtype.itemsize].view(dtype).reshape(in_box.shape)
-                for (chunk_slices, box_slices), arr in zip(pieces, arrays):
-                    src[box_slices] = arr[chunk_slices]
-            if symmetric:
-                dst = out_buf[: out_box.size * dtype.itemsize].view(dtype).reshape(out_box.shape)
-            else:
-                dst = (self._pool.empty(out_box.shape, dtype) if spec.package == "numpy"
-                       else engine.empty(out_box.shape, dtype, spec.package))
-        except Exception as exc:
-            local_error = f"{type(exc).__name__}: {exc}"
-        errors = [(r, e) for r, e in enumerate(control.allgather(local_error)) if e]
-        if errors:
+        plan = src = dst = None
+        if local_error is None:
+            # Local work: a failure here (a chunk of the wrong dtype, no memory) is agreed on below, so no PE
+            # enters the collective while another has given up.
+            try:
+                plan, src, dst = self._prepare(*staged, buffers)
+            except Exception as exc:
+                local_error = f"{type(exc).__name__}: {exc}"
+        if errors := control.agree(local_error):
             raise _RunError("; ".join(f"PE {r}: {e}" for r, e in errors))
         # -- the one collective
         t1 = time.perf_counter()
         plan.execute(src, dst)
         self.last_timings = {"prepare": t1 - t0, "execute": time.perf_counter() - t1, "ended_at": time.time()}
         # -- results live in ordinary (non-symmetric) arrays, so the buffers are free for the next run
-        result = dst.copy() if symmetric else dst
+        result = dst.copy() if buffers else dst
         self.runs += 1
         dt = time.perf_counter() - t0
         self.collective_seconds += dt
         return {"pe": self.pe, "seconds": dt}, result
+
+    def _grow_buffers(self, spec: RunSpec) -> tuple[Any, Any] | None:
+        """The symmetric staging buffers for ``spec`` (grown collectively, same sizes everywhere), or None
+        when its engine takes operands off the heap."""
+        import numpy as np
+
+        from .. import runtime
+
+        engine = runtime.engine_for_package(spec.package)
+        if not engine.requires_symmetric_operands:
+            return None
+        item = np.dtype(spec.dtype).itemsize
+        return (self._buffer("in", max(b.size for b in spec.input_boxes) * item, engine.packages[0]),
+                self._buffer("out", max(b.size for b in spec.output_boxes) * item, engine.packages[0]))
+
+    def _prepare(self, spec: RunSpec, pieces: tuple, arrays: tuple, buffers: tuple | None) -> tuple[Any, Any, Any]:
+        """Local: this PE's plan, its input box packed from its chunk pieces (zero copy when one C-contiguous
+        chunk is the box) and its output box, in the symmetric ``buffers`` if given."""
+        import numpy as np
+
+        from .. import runtime
+
+        if spec.delay:
+            time.sleep(spec.delay)
+        engine = runtime.engine_for_package(spec.package)
+        dtype = np.dtype(spec.dtype)
+        in_box = spec.input_boxes[self.pe]
+        out_box = spec.output_boxes[self.pe]
+        plan = self._plan(engine, spec)  # MPI plans are built locally: their failures are agreed on too
+        src = None
+        if buffers is None and len(pieces) == 1:
+            chunk_slices, box_slices = pieces[0]
+            view = arrays[0][chunk_slices]
+            if view.shape == in_box.shape and view.dtype == dtype and view.flags.c_contiguous:
+                src = view
+        if src is None:  # operands off the heap (MPI) pack into local scratch memory: no collective
+            buf = buffers[0] if buffers else self._scratch(in_box.size * dtype.itemsize)
+            src = buf[: in_box.size * dtype.itemsize].view(dtype).reshape(in_box.shape)
+            for (chunk_slices, box_slices), arr in zip(pieces, arrays):
+                src[box_slices] = arr[chunk_slices]
+        if buffers:
+            dst = buffers[1][: out_box.size * dtype.itemsize].view(dtype).reshape(out_box.shape)
+        else:
+            dst = (self._pool.empty(out_box.shape, dtype) if spec.package == "numpy"
+                   else engine.empty(out_box.shape, dtype, spec.package))
+        return plan, src, dst
 
 
 def get_plugin(worker=None) -> PGASWorkerPlugin:
