@@ -11,11 +11,13 @@ and persisted, rechunked to row slabs and back; each time is ``rechunk(...).pers
 * ``pgas-collective``: the same with ``pgas.local-rechunk: False`` (through the engine's staging buffers and
   plan; skipped where the staging would not fit in ``--heap-limit``);
 * ``tasks``: Dask's own rechunk (sizes up to ``--tasks-limit``);
-* ``dask-floor``: ``x.map_blocks(identity).persist()`` on the same chunks (Dask's fixed cost, no data moved);
+* ``dask-floor``: ``x.map_blocks(identity)`` persisted on the same chunks with its tasks restricted to the
+  workers like pgas's pinned tasks (Dask's fixed cost, no data moved); ``dask-floor-queued``: the same without
+  the restriction (Dask then queues them, two per worker thread at a time);
 * ``copy``: one ``cupy`` device-to-device copy of each worker's share (CUDA events, median of 5).
 
 At most two arrays of the size are alive at once (the input is regenerated for the check), so on one
-139 GiB H200 sizes up to about 48 GiB fit.
+139 GiB H200 sizes up to about 60 GiB fit.
 
 Prints a table and one ``BENCH`` JSON line per size.
 """
@@ -77,11 +79,15 @@ def one_size(client, nbytes: int, workers: int, args) -> dict:
     x = make_x().persist()
     wait(x)
     # every timed region ends when the workers' GPUs are idle (CuPy tasks return before their kernels end)
-    row["dask-floor_s"], floor = timed_persist(
-        client, lambda x=x: x.map_blocks(_identity, dtype=x.dtype, meta=meta, name=f"floor-{uuid.uuid4().hex}"),
-        args.repeats, device_sync=True, warmup=True)
-    floor_keys, floor = _keys(floor), None  # its chunks are x's own arrays: drop them with x
-    wait_forgotten(client, floor_keys)
+    # Dask's own cost for the same number of tasks: a no-op persist, restricted to the workers like pgas's
+    # pinned tasks (unrestricted no-op tasks wait in the scheduler's queue, two per worker thread at a time)
+    floor_workers = list(client.scheduler_info()["workers"])
+    for label, restrict in (("dask-floor", floor_workers), ("dask-floor-queued", None)):
+        row[f"{label}_s"], floor = timed_persist(
+            client, lambda x=x: x.map_blocks(_identity, dtype=x.dtype, meta=meta, name=f"floor-{uuid.uuid4().hex}"),
+            args.repeats, device_sync=True, warmup=True, workers=restrict)
+        floor_keys, floor = _keys(floor), None  # its chunks are x's own arrays: drop them with x
+        wait_forgotten(client, floor_keys)
     methods = [("pgas", {})]
     if 2 * size / workers * 1.3 <= dask.utils.parse_bytes(args.heap_limit):
         methods.append(("pgas-collective", {"pgas.local-rechunk": False}))
@@ -137,8 +143,9 @@ def main() -> int:
             copy = row["copy_s"]
             print(f"{format_bytes(row['bytes']):>10} {'D2D copy':<16} {gb / copy:>7.1f} GB/s "
                   f"{'':>12} {'100%':>14}   ({copy * 1e3:.3f} ms)")
-            floor = row["dask-floor_s"]
-            print(f"{'':>10} {'dask-floor':<16} {'':>12} {'':>12} {'':>14}   ({floor * 1e3:.1f} ms, no data moved)")
+            for label in ("dask-floor", "dask-floor-queued"):
+                floor = row[f"{label}_s"]
+                print(f"{'':>10} {label:<17} {'':>11} {'':>12} {'':>14}   ({floor * 1e3:.1f} ms, no data moved)")
             for label in ("pgas", "pgas-collective", "tasks"):
                 if f"{label}_error" in row:
                     print(f"{'':>10} {label:<16} {row[label + '_error']}")

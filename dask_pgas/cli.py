@@ -38,9 +38,12 @@ def _sync_device() -> None:
     cupy.cuda.Device().synchronize()
 
 
-def timed_persist(client, make, repeats: int, *, device_sync: bool = False, warmup: bool = False):
+def timed_persist(client, make, repeats: int, *, device_sync: bool = False, warmup: bool = False,
+                  workers: list | None = None):
     """Median seconds of ``make().persist()`` + ``wait`` end to end (graph construction included), and the last
-    result. ``device_sync`` also waits for every worker's GPU (CuPy tasks return before their kernels finish)."""
+    result. ``device_sync`` also waits for every worker's GPU (CuPy tasks return before their kernels finish).
+    ``workers`` restricts the tasks to those workers (restricted tasks skip the scheduler's queue, as pinned
+    pgas tasks do)."""
     from dask.core import flatten
     from distributed import wait
 
@@ -51,7 +54,7 @@ def timed_persist(client, make, repeats: int, *, device_sync: bool = False, warm
             result = None
             wait_forgotten(client, keys)
         t0 = time.perf_counter()
-        result = make().persist()
+        result = make().persist() if workers is None else client.persist(make(), workers=workers)
         wait(result)
         if device_sync:
             client.run(_sync_device)

@@ -4,6 +4,7 @@
 #   2: carry [".gpu-stage/part-ab"]                                      bash scripts/gpu/final.sh upload
 #   3: carry [".gpu-stage/part-ac"]                                      bash scripts/gpu/final.sh run
 #      (or "rerun": only the 1- and 2-worker demos and the NumPy core suite)
+# Session 3: s3-upload (part-aa + SHA256SUMS + .whl), upload2 (part-ab), s3-run (part-ac), s3-large (nothing).
 # Phase 1 runs correctness jobs side by side (they share the GPU); phase 2 runs the timed jobs one at a time.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/stage /tmp/site
@@ -50,6 +51,21 @@ if [ "${1:-run}" = upload2 ]; then  # NVSHMEM alone (no cuFFTMp yet): unique-id 
     step "uid bring-up, NVSHMEM only, np=$np_" 60 "$OUT/upload2.log" mpirun --bind-to none -n $np_ python3 tests/gpu/programs/uid_checks.py /tmp/uid.bin --no-reshape
   done
   cat "$S"; exit 0
+fi
+if [ "${1:-run}" = s3-upload ]; then  # session 3, call 1 (part-aa + wheels): probes that need no cuFFTMp
+  ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --upgrade --target /tmp/site .whl/*.whl
+  ls /tmp/stage | tr '\n' ' ' >>"$S"; echo >>"$S"
+  for k in 1 2; do
+    step "floor probe, $k workers, bound to a core" 60 "$OUT/floor.log" python3 scripts/gpu/probe_floor.py --workers $k --binding core
+    step "floor probe, $k workers, unbound" 60 "$OUT/floor.log" python3 scripts/gpu/probe_floor.py --workers $k
+  done
+  for sz in 16GiB 32GiB; do
+    step "local copy probe $sz" 60 "$OUT/localcopy.log" python3 scripts/gpu/probe_local_copy.py --size $sz
+  done
+  step "cpu planning tests" 90 "$OUT/upload.log" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_planning_cpu.py tests/unit tests/dask/test_chunks.py
+  grep -h "^FLOOR\|^LOCALCOPY" "$OUT/floor.log" "$OUT/localcopy.log" >>"$S" 2>/dev/null
+  echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
 fi
 if [ ! -e /tmp/site/nvidia/cufftmp/cu13/lib/libcufftMp.so.12 ]; then
   (cd /tmp/stage && cat part-* > cufftmp-cu13-lib.tar.xz && sha256sum -c SHA256SUMS | sed 's/^/  /') >>"$S" 2>&1
@@ -117,6 +133,37 @@ if [ "${1:-run}" = part5 ]; then  # last block: output tasks overlap the collect
   grep -h "passed\|failed" "$OUT"/p5-dask*.log >>"$S" 2>/dev/null
   grep -h "^BENCH" "$OUT/bench.log" "$OUT/mps-bench.log" >>"$S" 2>/dev/null
   grep -h "GB/s\|floor" "$OUT/rechunk2.log" "$OUT/rechunk1.log" >>"$S" 2>/dev/null
+  echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
+fi
+if [ "${1:-run}" = s3-run ]; then  # session 3, call 3 (part-ac): correctness side by side, then engine benches
+  for k in 1 2 4; do
+    step "dask suite, $k GPU workers" 240 "$OUT/s3-dask$k.log" env DASK_PGAS_TEST_GPU_WORKERS=$k python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py &
+  done
+  step "pytest tests/gpu" 240 "$OUT/s3-pytest-gpu.log" python3 -m pytest -q -p no:cacheprovider tests/gpu &
+  ( for np_ in 1 2 4; do
+      step "gpu_checks np=$np_" 100 "$OUT/s3-engine.log" $MPIRUN -n $np_ python3 tests/gpu/programs/gpu_checks.py
+    done
+    step "core suite np=3 cupy" 90 "$OUT/s3-engine.log" $MPIRUN -n 3 python3 $SUITE --backend nvshmem --package cupy --examples 10
+    step "core suite np=2 numpy" 90 "$OUT/s3-engine.log" $MPIRUN -n 2 python3 $SUITE --backend nvshmem --package numpy --examples 10
+    step "core suite np=4 torch" 90 "$OUT/s3-engine.log" $MPIRUN -n 4 python3 $SUITE --backend nvshmem --package torch --examples 8 ) &
+  wait
+  for np_ in 1 2 4; do
+    step "bench np=$np_" 40 "$OUT/bench.log" $MPIRUN -n $np_ python3 benchmarks/bench_gpu_reshape.py
+  done
+  step "rechunk bench, 2 GPU workers" 100 "$OUT/rechunk2.log" python3 benchmarks/bench_rechunk_gpu.py --workers 2 --sizes 512MiB,2GiB --tasks-limit 0
+  step "rechunk bench, 1 GPU worker" 120 "$OUT/rechunk1.log" python3 benchmarks/bench_rechunk_gpu.py --workers 1 --sizes 512MiB,4GiB,16GiB --tasks-limit 0
+  grep -h "passed\|failed" "$OUT"/s3-dask*.log "$OUT"/s3-pytest-gpu.log >>"$S" 2>/dev/null
+  grep -h "^BENCH" "$OUT/bench.log" >>"$S" 2>/dev/null
+  grep -h "GB/s\|floor" "$OUT/rechunk2.log" "$OUT/rechunk1.log" >>"$S" 2>/dev/null
+  echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
+fi
+if [ "${1:-run}" = s3-large ]; then  # session 3, call 4: one worker at large sizes, the failure test, the demo
+  step "rechunk bench, 1 GPU worker, large" 300 "$OUT/rechunk1-large.log" python3 benchmarks/bench_rechunk_gpu.py --workers 1 --sizes 32GiB,48GiB,56GiB --tasks-limit 0 --repeats 5
+  step "dask failure test, 3 GPU workers" 150 "$OUT/s3-failure.log" env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -p no:cacheprovider tests/dask/test_failure.py
+  step "demo (main job), 1 GPU worker, 1GiB" 100 "$OUT/demo.log" python3 -m dask_pgas.cli demo --repeats 3
+  grep -h "GB/s\|floor" "$OUT/rechunk1-large.log" >>"$S" 2>/dev/null
+  grep -h "passed\|failed" "$OUT/s3-failure.log" >>"$S" 2>/dev/null
+  grep -h "GB/s\|pgas vs\|copy" "$OUT/demo.log" >>"$S" 2>/dev/null
   echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
 fi
 if [ "${1:-run}" = part2 ]; then  # Dask on 1/4 GPU workers, 2-worker rechunk bench, MPS block, failure test
