@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -50,9 +51,10 @@ def run_mpi(program: str | Path, nranks: int, *args: str, timeout: float = 180, 
 
 
 def check(result, nranks: int) -> None:
-    """Assert the program exited 0 and every rank printed its OK line."""
-    ok = [line for line in result.stdout.splitlines() if line.startswith("OK rank=")]
-    assert result.returncode == 0 and len(ok) == nranks, (
+    """Assert the program exited 0 and every rank printed its OK line (ranks' lines may run together when the
+    launcher forwards their output: seen with Open MPI, ``OK rank=0OK rank=1``)."""
+    ok = set(re.findall(r"OK rank=(\d+)", result.stdout))
+    assert result.returncode == 0 and ok == {str(r) for r in range(nranks)}, (
         f"{' '.join(result.args)} exited {result.returncode} with {len(ok)}/{nranks} OK lines\n"
         f"stdout:\n{result.stdout[-6000:]}\nstderr:\n{result.stderr[-6000:]}"
     )

@@ -307,7 +307,8 @@ def main():
         print(f"FAILED rank={RANK} {FAILED}", flush=True)
         sys.exit(1)
     COMM.Barrier()
-    print(f"OK rank={RANK}", flush=True)
+    sys.stdout.write(f"OK rank={RANK}\n")  # one write: the launcher may interleave a print's text and newline
+    sys.stdout.flush()
 
 
 main()
