@@ -1,11 +1,46 @@
-"""One local MPI-backed Dask cluster shared by the whole tests/dask session: 3 CPU worker ranks (an odd count),
-or ``DASK_PGAS_TEST_GPU_WORKERS`` GPU workers (see ``_xp.py``)."""
+"""One local Dask cluster shared by the whole tests/dask session: 3 CPU worker ranks of ``LocalMPICluster`` (an odd
+count), or ``DASK_PGAS_TEST_GPU_WORKERS`` GPU workers (see ``_xp.py``). With ``DASK_PGAS_TEST_CLUSTER=local`` the
+GPU workers are ``distributed.LocalCluster`` Nanny processes instead, not MPI processes: the PGAS world then comes
+up from an NVSHMEM unique id handed out through the scheduler (the path of dask-cuda clusters)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
 pytest.importorskip("distributed")
+
+
+class _NannyCluster:
+    """A ``LocalCluster`` of non-MPI GPU workers with a PGAS world bootstrapped over NVSHMEM unique ids."""
+
+    def __init__(self, n_workers: int) -> None:
+        from distributed import Client, LocalCluster
+
+        import dask_pgas
+
+        os.environ.setdefault("DASK_PGAS__COLLECTIVE_TIMEOUT", "60s")  # inherited by the worker processes
+        self._cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,
+                                     memory_limit=0, dashboard_address=None)
+        with Client(self._cluster) as client:
+            dask_pgas.bootstrap(client, backends=["nvshmem"])
+            self.world = dask_pgas.world(client, detail=True)
+        ranks = {w: i["mpi_rank"] for w, i in self.world.info.items()}
+        if any(r is not None for r in ranks.values()):
+            raise RuntimeError(f"expected workers outside MPI, got MPI ranks {ranks}")
+
+    def __getattr__(self, name):
+        return getattr(self._cluster, name)
+
+    def close(self) -> None:
+        from distributed import Client
+
+        import dask_pgas
+
+        with Client(self._cluster) as client:
+            dask_pgas.teardown(client)
+        self._cluster.close()
 
 
 @pytest.fixture(scope="session")
@@ -14,10 +49,13 @@ def pgas_cluster():
 
     from ._xp import BACKEND, GPU_WORKERS, NWORKERS
 
-    cluster = dask_pgas.LocalMPICluster(
-        n_workers=NWORKERS, env={"DASK_PGAS__COLLECTIVE_TIMEOUT": "60s"}, backends=[BACKEND],
-        gpus=1 if GPU_WORKERS else 0,
-    )
+    if GPU_WORKERS and os.environ.get("DASK_PGAS_TEST_CLUSTER") == "local":
+        cluster = _NannyCluster(NWORKERS)
+    else:
+        cluster = dask_pgas.LocalMPICluster(
+            n_workers=NWORKERS, env={"DASK_PGAS__COLLECTIVE_TIMEOUT": "60s"}, backends=[BACKEND],
+            gpus=1 if GPU_WORKERS else 0,
+        )
     yield cluster
     cluster.close()
 

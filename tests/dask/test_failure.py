@@ -12,7 +12,7 @@ import pytest
 
 import dask_pgas
 from dask_pgas.errors import CollectiveError
-from dask_pgas.integration import PGASRechunkUnsupported
+from dask_pgas.integration import PGASRechunkUnsupported, PGASWorldError
 
 from ._xp import BACKEND, GPU_WORKERS, host, on_device
 
@@ -118,3 +118,21 @@ def test_killed_launcher_leaves_no_processes():
     for p in left:  # do not leak them into the rest of the session
         os.kill(p, signal.SIGKILL)
     assert not left, f"processes {left} outlived their launcher"
+
+
+@pytest.mark.skipif(bool(GPU_WORKERS), reason="GPU workers outside MPI bootstrap over NVSHMEM (conftest 'local')")
+def test_non_mpi_workers_without_nvshmem_get_a_clear_error():
+    """Workers that are not one MPI job (Nanny processes of a LocalCluster) need NVSHMEM's unique-id bring-up;
+    without it bootstrap says how to start the workers, and rechunk follows pgas.fallback."""
+    import dask
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        with pytest.raises(PGASWorldError, match="not processes of one MPI job"):
+            dask_pgas.bootstrap(client)
+        x = da.ones((40, 40), chunks=(40, 10)).persist()
+        with pytest.raises(PGASRechunkUnsupported, match="bootstrap"):
+            dask_pgas.rechunk(x, (10, 40))
+        with dask.config.set({"pgas.fallback": "tasks"}):
+            np.testing.assert_array_equal(dask_pgas.rechunk(x, (10, 40)).compute(), np.ones((40, 40)))
