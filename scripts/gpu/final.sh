@@ -4,7 +4,8 @@
 #   2: carry [".gpu-stage/part-ab"]                                      bash scripts/gpu/final.sh upload
 #   3: carry [".gpu-stage/part-ac"]                                      bash scripts/gpu/final.sh run
 #      (or "rerun": only the 1- and 2-worker demos and the NumPy core suite)
-# Session 3: s3-upload (part-aa + SHA256SUMS + .whl), upload2 (part-ab), s3-run (part-ac), s3-large (nothing).
+# Session 3: s3-upload (part-aa + SHA256SUMS + .whl), upload2 (part-ab), s3-run (part-ac), s3-large (nothing);
+#            second block: upload, upload2, s3b-run (part-ac).
 # Phase 1 runs correctness jobs side by side (they share the GPU); phase 2 runs the timed jobs one at a time.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/stage /tmp/site
@@ -164,6 +165,18 @@ if [ "${1:-run}" = s3-large ]; then  # session 3, call 4: one worker at large si
   grep -h "GB/s\|floor" "$OUT/rechunk1-large.log" >>"$S" 2>/dev/null
   grep -h "passed\|failed" "$OUT/s3-failure.log" >>"$S" 2>/dev/null
   grep -h "GB/s\|pgas vs\|copy" "$OUT/demo.log" >>"$S" 2>/dev/null
+  echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
+fi
+if [ "${1:-run}" = s3b-run ]; then  # session 3, second block (after upload, upload2): workers outside MPI, binding
+  step "pytest tests/gpu" 200 "$OUT/s3b-pytest-gpu.log" python3 -m pytest -q -p no:cacheprovider tests/gpu &
+  for k in 2 3; do
+    step "dask suite, $k GPU workers outside MPI (LocalCluster, unique-id bootstrap)" 240 "$OUT/s3b-nanny$k.log" env DASK_PGAS_TEST_GPU_WORKERS=$k DASK_PGAS_TEST_CLUSTER=local python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py &
+  done
+  wait
+  step "rechunk bench, 1 GPU worker bound to a core" 150 "$OUT/s3b-bound.log" env OMPI_MCA_hwloc_base_binding_policy=core python3 benchmarks/bench_rechunk_gpu.py --workers 1 --sizes 4GiB,32GiB --tasks-limit 0 --heap-limit 0
+  step "rechunk bench, 1 GPU worker unbound" 150 "$OUT/s3b-unbound.log" python3 benchmarks/bench_rechunk_gpu.py --workers 1 --sizes 4GiB,32GiB --tasks-limit 0 --heap-limit 0
+  grep -h "passed\|failed" "$OUT"/s3b-*.log >>"$S" 2>/dev/null
+  grep -h "GB/s\|floor" "$OUT/s3b-bound.log" "$OUT/s3b-unbound.log" >>"$S" 2>/dev/null
   echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
 fi
 if [ "${1:-run}" = part2 ]; then  # Dask on 1/4 GPU workers, 2-worker rechunk bench, MPS block, failure test
