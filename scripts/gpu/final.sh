@@ -179,6 +179,16 @@ if [ "${1:-run}" = s3b-run ]; then  # session 3, second block (after upload, upl
   grep -h "GB/s\|floor" "$OUT/s3b-bound.log" "$OUT/s3b-unbound.log" >>"$S" 2>/dev/null
   echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
 fi
+if [ "${1:-run}" = s3c-run ]; then  # session 3, third block (after upload, upload2): workers outside MPI, large sizes
+  for k in 2 3; do
+    step "dask suite, $k GPU workers outside MPI (LocalCluster, unique-id bootstrap)" 200 "$OUT/s3c-nanny$k.log" env DASK_PGAS_TEST_GPU_WORKERS=$k DASK_PGAS_TEST_CLUSTER=local python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py &
+  done
+  wait
+  step "rechunk bench, 1 GPU worker, large" 240 "$OUT/s3c-large.log" python3 benchmarks/bench_rechunk_gpu.py --workers 1 --sizes 32GiB,48GiB --tasks-limit 0 --heap-limit 0 --repeats 7
+  grep -h "passed\|failed" "$OUT"/s3c-nanny*.log >>"$S" 2>/dev/null
+  grep -h "GB/s\|floor" "$OUT/s3c-large.log" >>"$S" 2>/dev/null
+  echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
+fi
 if [ "${1:-run}" = part2 ]; then  # Dask on 1/4 GPU workers, 2-worker rechunk bench, MPS block, failure test
   step "rechunk bench, 2 GPU workers" 120 "$OUT/rechunk2.log" python3 benchmarks/bench_rechunk_gpu.py --workers 2 --sizes 512MiB,2GiB
   step "dask suite, 1 GPU worker" 200 "$OUT/p2-dask1.log" env DASK_PGAS_TEST_GPU_WORKERS=1 python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py &

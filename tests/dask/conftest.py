@@ -26,9 +26,10 @@ class _NannyCluster:
         with Client(self._cluster) as client:
             dask_pgas.bootstrap(client, backends=["nvshmem"])
             self.world = dask_pgas.world(client, detail=True)
-        ranks = {w: i["mpi_rank"] for w, i in self.world.info.items()}
-        if any(r is not None for r in ranks.values()):
-            raise RuntimeError(f"expected workers outside MPI, got MPI ranks {ranks}")
+        # not one MPI job (a worker that touched mpi4py is an MPI singleton: a world of its own)
+        sizes = {w: i["mpi_size"] for w, i in self.world.info.items()}
+        if any(n not in (None, 1) for n in sizes.values()):
+            raise RuntimeError(f"expected workers outside one MPI job, got MPI world sizes {sizes}")
 
     def __getattr__(self, name):
         return getattr(self._cluster, name)
