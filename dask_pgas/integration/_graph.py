@@ -55,6 +55,20 @@ class PinnedTask(Task):
         return f"PinnedTask({self.key!r}, pe={self.pe})"
 
 
+class PieceTask(Task):
+    """The part of one input chunk that goes to another PE than the rest of it (``chunk[slices]``).
+
+    Sliced where the chunk is (the scheduler plugin restricts it, loosely, to a holder of the chunk), so Dask
+    ships only the piece to its PE, not the whole chunk to every PE that takes a part of it.
+    """
+
+    __slots__ = ()
+
+    @property
+    def block_fusion(self) -> bool:
+        return True
+
+
 class BarrierTask(Task):
     __slots__ = ()
 
@@ -117,12 +131,16 @@ def build_graph(x, plan, name: str, epoch: int, spec: RunSpec) -> dict:
     token = name[len("pgas-rechunk-"):]
     tname, bname = f"pgas-transfer-{token}", f"pgas-barrier-{token}"
     dsk: dict = {}
+    cut = _cut_chunks(plan)
     for pe, pieces in enumerate(plan.inputs):
         key = (tname, pe)
-        refs = [TaskRef((x.name, *p.index)) for p in pieces]
-        slices = tuple((p.chunk_slices, p.box_slices) for p in pieces)
-        dsk[key] = PinnedTask(key, transfer, name, pe, epoch, spec, slices, *refs, pe=pe, epoch=epoch,
-                                 npes=plan.npes)
+        refs, slices = [], []
+        for p in pieces:
+            ref, chunk_slices = _source(dsk, x, token, (pe,), p.index, p.chunk_slices, p.index in cut)
+            refs.append(ref)
+            slices.append((chunk_slices, p.box_slices))
+        dsk[key] = PinnedTask(key, transfer, name, pe, epoch, spec, tuple(slices), *refs, pe=pe, epoch=epoch,
+                              npes=plan.npes)
     dsk[bname] = BarrierTask(bname, barrier, name, epoch, *(TaskRef((tname, pe)) for pe in range(plan.npes)))
     done = set()
     for pe, pieces in enumerate(plan.outputs):
@@ -141,11 +159,35 @@ def build_graph(x, plan, name: str, epoch: int, spec: RunSpec) -> dict:
     return dsk
 
 
+def _cut_chunks(plan) -> set:
+    """Input chunks that the plan's input boxes share out between several PEs."""
+    takers: dict = {}
+    for pe, pieces in enumerate(plan.inputs):
+        for p in pieces:
+            takers.setdefault(p.index, set()).add(pe)
+    return {index for index, pes in takers.items() if len(pes) > 1}
+
+
+def _source(dsk: dict, x, token: str, tag: tuple, index: tuple, chunk_slices: tuple, cut: bool):
+    """A reference to input chunk ``index`` and the slices of it to read; for a chunk ``cut`` between PEs, a
+    :class:`PieceTask` (keyed by ``tag``) that slices it where it is, so that only the part travels."""
+    import operator
+
+    ref = TaskRef((x.name, *index))
+    if not cut:
+        return ref, chunk_slices
+    key = (f"pgas-piece-{token}", *tag, *index)
+    dsk[key] = PieceTask(key, operator.getitem, ref, chunk_slices)
+    return TaskRef(key), tuple(slice(0, s.stop - s.start) for s in chunk_slices)
+
+
 def build_local_graph(x, plan, name: str, epoch: int) -> dict:
     """Tasks of a pgas rechunk whose ``plan`` moves nothing between PEs: one pinned task per output chunk."""
     from ..geometry.chunks import chunk_sources
 
     owner = plan.output_owner()
+    token = name[len("pgas-rechunk-"):]
+    cut = _cut_chunks(plan)
     dsk: dict = {}
     for index, pieces in chunk_sources(plan.chunks_in, plan.chunks_out):
         key = (name, *index)
@@ -154,8 +196,11 @@ def build_local_graph(x, plan, name: str, epoch: int) -> dict:
         if pe is None or not pieces:  # chunks without elements
             dsk[key] = Task(key, empty_chunk, x._meta, shape)
             continue
-        refs = [TaskRef((x.name, *src)) for src, _, _ in pieces]
-        slices = tuple((chunk_slices, out_slices) for _, chunk_slices, out_slices in pieces)
-        dsk[key] = PinnedTask(key, assemble, pe, epoch, shape, x.dtype.str, slices, *refs, pe=pe, epoch=epoch,
-                              npes=plan.npes)
+        refs, slices = [], []
+        for src, chunk_slices, out_slices in pieces:
+            ref, chunk_slices = _source(dsk, x, token, index, src, chunk_slices, src in cut)
+            refs.append(ref)
+            slices.append((chunk_slices, out_slices))
+        dsk[key] = PinnedTask(key, assemble, pe, epoch, shape, x.dtype.str, tuple(slices), *refs, pe=pe,
+                              epoch=epoch, npes=plan.npes)
     return dsk

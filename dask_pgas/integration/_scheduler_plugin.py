@@ -355,12 +355,20 @@ class PGASSchedulerPlugin(SchedulerPlugin):
 
     # ---------------------------------------------------------------- scheduler hooks
     def update_graph(self, scheduler, *, tasks=(), **kwargs) -> None:
-        from ._graph import BarrierTask, PinnedTask
+        from ._graph import BarrierTask, PieceTask, PinnedTask
 
         for key in tasks:
             ts = scheduler.tasks.get(key)
             if ts is not None and isinstance(ts.run_spec, BarrierTask):
                 self._barriers.add(key)
+            if ts is not None and isinstance(ts.run_spec, PieceTask):
+                # slice where the chunk is (unrestricted, a task with one small dependency group may be
+                # queued and placed anywhere, shipping the whole chunk first); loose: any worker if it moved
+                holders = {ws.address for dep in ts.dependencies for ws in (dep.who_has or ())}
+                if holders:
+                    ts.worker_restrictions = holders
+                    ts.loose_restrictions = True
+                continue
             if ts is None or not isinstance(ts.run_spec, PinnedTask):
                 continue
             spec = ts.run_spec

@@ -115,6 +115,25 @@ def test_output_chunks_on_owner_and_no_transfer_of_placed_input(client):
     np.testing.assert_array_equal(host(z.compute()), host(x.compute()))
 
 
+def test_chunk_cut_between_pes_ships_only_the_pieces(client):
+    """One input chunk on one worker, cut into every PE's input box: Dask moves each PE its piece, not the
+    whole chunk to every PE that takes a part of it."""
+    world = dask_pgas.world(client)
+    p = world.npes
+    n = 90 * p
+    x = on_device(da.random.random((n, n), chunks=(n, n))).persist()
+    wait(x)
+    before = client.run(lambda dask_worker: sum(e["total"] for e in dask_worker.transfer_incoming_log))
+    y = dask_pgas.rechunk(x, (n // p, n)).persist()
+    wait(y)
+    after = client.run(lambda dask_worker: sum(e["total"] for e in dask_worker.transfer_incoming_log))
+    moved = sum(after.values()) - sum(before.values())
+    nbytes = n * n * 8
+    # the pieces of the other PEs: (p - 1) / p of the array (whole-chunk shipping moved (p - 1) times it)
+    assert moved <= nbytes * (p - 1) / p + 100_000, f"Dask moved {moved} bytes for a {nbytes}-byte array"
+    np.testing.assert_array_equal(host(y.compute()), host(x.compute()))
+
+
 def _runs(client) -> int:
     return sum(client.run(lambda dask_worker: dask_worker.plugins["dask-pgas"].runs).values())
 
