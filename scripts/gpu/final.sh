@@ -5,7 +5,7 @@
 #   3: carry [".gpu-stage/part-ac"]                                      bash scripts/gpu/final.sh run
 #      (or "rerun": only the 1- and 2-worker demos and the NumPy core suite)
 # Session 3: s3-upload (part-aa + SHA256SUMS + .whl), upload2 (part-ab), s3-run (part-ac), s3-large (nothing);
-#            second block: upload, upload2, s3b-run (part-ac).
+#            second block: upload, upload2, s3b-run (part-ac); then s3c-run, s3d-run the same way.
 # Phase 1 runs correctness jobs side by side (they share the GPU); phase 2 runs the timed jobs one at a time.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/stage /tmp/site
@@ -187,6 +187,16 @@ if [ "${1:-run}" = s3c-run ]; then  # session 3, third block (after upload, uplo
   step "rechunk bench, 1 GPU worker, large" 240 "$OUT/s3c-large.log" python3 benchmarks/bench_rechunk_gpu.py --workers 1 --sizes 32GiB,48GiB --tasks-limit 0 --heap-limit 0 --repeats 7
   grep -h "passed\|failed" "$OUT"/s3c-nanny*.log >>"$S" 2>/dev/null
   grep -h "GB/s\|floor" "$OUT/s3c-large.log" >>"$S" 2>/dev/null
+  echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
+fi
+if [ "${1:-run}" = s3d-run ]; then  # session 3, last block (after upload, upload2): the Dask suites on the final tree
+  for k in 2 4; do
+    step "dask suite, $k GPU workers" 200 "$OUT/s3d-dask$k.log" env DASK_PGAS_TEST_GPU_WORKERS=$k python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py &
+  done
+  step "dask suite, 2 GPU workers outside MPI" 200 "$OUT/s3d-nanny2.log" env DASK_PGAS_TEST_GPU_WORKERS=2 DASK_PGAS_TEST_CLUSTER=local python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py &
+  wait
+  step "dask failure test, 3 GPU workers" 150 "$OUT/s3d-failure.log" env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -p no:cacheprovider tests/dask/test_failure.py
+  grep -h "passed\|failed" "$OUT"/s3d-*.log >>"$S" 2>/dev/null
   echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
 fi
 if [ "${1:-run}" = part2 ]; then  # Dask on 1/4 GPU workers, 2-worker rechunk bench, MPS block, failure test
