@@ -402,8 +402,10 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         if finish == "forgotten":
             self._pinned.pop(key, None)
             self._barriers.discard(key)
-        if finish in ("released", "forgotten") and isinstance(key, str) and key.startswith("pgas-barrier-"):
-            # every output task is done with the run's results: the workers can drop them
+        done_with = finish == "forgotten" or (finish == "released" and start == "memory")
+        if done_with and isinstance(key, str) and key.startswith("pgas-barrier-"):
+            # every output task is done with the run's results: the workers can drop them. (Not when the
+            # barrier task leaves "processing" to be rescheduled, e.g. stolen: its run's outputs still wait.)
             name = "pgas-rechunk-" + key[len("pgas-barrier-"):]
             seq = self._last_seq.pop(name, None)
             self._ready.pop(name, None)
