@@ -38,6 +38,18 @@ mps_stop() {
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
   trap - EXIT
 }
+# dask_suite K TIMEOUT LOG [local]: tests/dask/test_rechunk.py on K GPU workers (LocalMPICluster, or LocalCluster
+# workers outside MPI with "local")
+dask_suite() {
+  local k=$1 to=$2 log=$3
+  if [ "${4:-}" = local ]; then
+    step "dask suite, $k GPU workers outside MPI (LocalCluster, unique-id bootstrap)" "$to" "$log" \
+      env DASK_PGAS_TEST_GPU_WORKERS="$k" DASK_PGAS_TEST_CLUSTER=local python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py
+  else
+    step "dask suite, $k GPU workers" "$to" "$log" \
+      env DASK_PGAS_TEST_GPU_WORKERS="$k" python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py
+  fi
+}
 cp .gpu-stage/part-* .gpu-stage/SHA256SUMS /tmp/stage/ 2>/dev/null
 if [ "${1:-run}" = upload ]; then
   ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -138,7 +150,7 @@ if [ "${1:-run}" = part5 ]; then  # last block: output tasks overlap the collect
 fi
 if [ "${1:-run}" = s3-run ]; then  # session 3, call 3 (part-ac): correctness side by side, then engine benches
   for k in 1 2 4; do
-    step "dask suite, $k GPU workers" 240 "$OUT/s3-dask$k.log" env DASK_PGAS_TEST_GPU_WORKERS=$k python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py &
+    dask_suite $k 240 "$OUT/s3-dask$k.log" &
   done
   step "pytest tests/gpu" 240 "$OUT/s3-pytest-gpu.log" python3 -m pytest -q -p no:cacheprovider tests/gpu &
   ( for np_ in 1 2 4; do
@@ -170,7 +182,7 @@ fi
 if [ "${1:-run}" = s3b-run ]; then  # session 3, second block (after upload, upload2): workers outside MPI, binding
   step "pytest tests/gpu" 200 "$OUT/s3b-pytest-gpu.log" python3 -m pytest -q -p no:cacheprovider tests/gpu &
   for k in 2 3; do
-    step "dask suite, $k GPU workers outside MPI (LocalCluster, unique-id bootstrap)" 240 "$OUT/s3b-nanny$k.log" env DASK_PGAS_TEST_GPU_WORKERS=$k DASK_PGAS_TEST_CLUSTER=local python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py &
+    dask_suite $k 240 "$OUT/s3b-nanny$k.log" local &
   done
   wait
   step "rechunk bench, 1 GPU worker bound to a core" 150 "$OUT/s3b-bound.log" env OMPI_MCA_hwloc_base_binding_policy=core python3 benchmarks/bench_rechunk_gpu.py --workers 1 --sizes 4GiB,32GiB --tasks-limit 0 --heap-limit 0
@@ -181,7 +193,7 @@ if [ "${1:-run}" = s3b-run ]; then  # session 3, second block (after upload, upl
 fi
 if [ "${1:-run}" = s3c-run ]; then  # session 3, third block (after upload, upload2): workers outside MPI, large sizes
   for k in 2 3; do
-    step "dask suite, $k GPU workers outside MPI (LocalCluster, unique-id bootstrap)" 200 "$OUT/s3c-nanny$k.log" env DASK_PGAS_TEST_GPU_WORKERS=$k DASK_PGAS_TEST_CLUSTER=local python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py &
+    dask_suite $k 200 "$OUT/s3c-nanny$k.log" local &
   done
   wait
   step "rechunk bench, 1 GPU worker, large" 240 "$OUT/s3c-large.log" python3 benchmarks/bench_rechunk_gpu.py --workers 1 --sizes 32GiB,48GiB --tasks-limit 0 --heap-limit 0 --repeats 7
@@ -191,9 +203,9 @@ if [ "${1:-run}" = s3c-run ]; then  # session 3, third block (after upload, uplo
 fi
 if [ "${1:-run}" = s3d-run ]; then  # session 3, last block (after upload, upload2): the Dask suites on the final tree
   for k in 2 4; do
-    step "dask suite, $k GPU workers" 200 "$OUT/s3d-dask$k.log" env DASK_PGAS_TEST_GPU_WORKERS=$k python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py &
+    dask_suite $k 200 "$OUT/s3d-dask$k.log" &
   done
-  step "dask suite, 2 GPU workers outside MPI" 200 "$OUT/s3d-nanny2.log" env DASK_PGAS_TEST_GPU_WORKERS=2 DASK_PGAS_TEST_CLUSTER=local python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py &
+  dask_suite 2 200 "$OUT/s3d-nanny2.log" local &
   wait
   step "dask failure test, 3 GPU workers" 150 "$OUT/s3d-failure.log" env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -p no:cacheprovider tests/dask/test_failure.py
   grep -h "passed\|failed" "$OUT"/s3d-*.log >>"$S" 2>/dev/null

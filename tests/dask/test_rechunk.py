@@ -89,17 +89,25 @@ def test_same_chunks_is_noop(client):
     assert dask_pgas.rechunk(x, 5) is x
 
 
+def _incoming(client) -> int:
+    return sum(client.run(lambda dask_worker: sum(e["total"] for e in dask_worker.transfer_incoming_log)).values())
+
+
+def _moved_by_dask(client, make):
+    """Bytes Dask moved between workers while ``make()`` was persisted, and the persisted result."""
+    before = _incoming(client)
+    y = make().persist()
+    wait(y)
+    return _incoming(client) - before, y
+
+
 def test_output_chunks_on_owner_and_no_transfer_of_placed_input(client):
     world = dask_pgas.world(client)
     p = world.npes
     n = 60 * p
     x = on_device(da.random.random((n, n), chunks=(n, n // p))).persist()
     wait(x)
-    before = client.run(lambda dask_worker: sum(e["total"] for e in dask_worker.transfer_incoming_log))
-    y = dask_pgas.rechunk(x, (n // p, n)).persist()
-    wait(y)
-    after = client.run(lambda dask_worker: sum(e["total"] for e in dask_worker.transfer_incoming_log))
-    moved = sum(after.values()) - sum(before.values())
+    moved, y = _moved_by_dask(client, lambda: dask_pgas.rechunk(x, (n // p, n)))
     assert moved < 10_000, f"Dask moved {moved} bytes of an already placed input"
     # every output chunk sits on one worker, the owner of its box; PEs each own one row slab here
     who = client.who_has(y)
@@ -108,10 +116,8 @@ def test_output_chunks_on_owner_and_no_transfer_of_placed_input(client):
     assert len({h[0] for h in holders}) == p
     assert {h[0] for h in holders} <= set(world.workers)
     # and back: the earlier pgas output's placement is known, nothing moves through Dask either
-    z = dask_pgas.rechunk(y, (n, n // p)).persist()
-    wait(z)
-    again = client.run(lambda dask_worker: sum(e["total"] for e in dask_worker.transfer_incoming_log))
-    assert sum(again.values()) - sum(after.values()) < 10_000
+    moved, z = _moved_by_dask(client, lambda: dask_pgas.rechunk(y, (n, n // p)))
+    assert moved < 10_000
     np.testing.assert_array_equal(host(z.compute()), host(x.compute()))
 
 
@@ -123,11 +129,7 @@ def test_chunk_cut_between_pes_ships_only_the_pieces(client):
     n = 90 * p
     x = on_device(da.random.random((n, n), chunks=(n, n))).persist()
     wait(x)
-    before = client.run(lambda dask_worker: sum(e["total"] for e in dask_worker.transfer_incoming_log))
-    y = dask_pgas.rechunk(x, (n // p, n)).persist()
-    wait(y)
-    after = client.run(lambda dask_worker: sum(e["total"] for e in dask_worker.transfer_incoming_log))
-    moved = sum(after.values()) - sum(before.values())
+    moved, y = _moved_by_dask(client, lambda: dask_pgas.rechunk(x, (n // p, n)))
     nbytes = n * n * 8
     # the pieces of the other PEs: (p - 1) / p of the array (whole-chunk shipping moved (p - 1) times it)
     assert moved <= nbytes * (p - 1) / p + 100_000, f"Dask moved {moved} bytes for a {nbytes}-byte array"
