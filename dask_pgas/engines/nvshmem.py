@@ -121,21 +121,23 @@ class NVSHMEMSettings:
         )
 
     @classmethod
-    def agreed(cls, control: ControlPlane, environ: Mapping[str, str] | None = None) -> NVSHMEMSettings:
+    def agreed(cls, control: ControlPlane, environ: Mapping[str, str] | None = None, *,
+               local_error: str | None = None) -> NVSHMEMSettings:
         """Collective: this PE's settings, once every PE has the same; else every PE raises the same
-        :class:`BackendUnavailableError` naming the variable and its value on each rank."""
+        :class:`BackendUnavailableError` naming the variable and its value on each rank. ``local_error`` (a
+        failed local bring-up check) makes every PE raise too, in the same exchange."""
         env = os.environ if environ is None else environ
         raw = {name: env.get(name) for names in cls.VARIABLES.values() for name in names}
-        mine, error = None, None
-        try:
-            mine = cls.from_env(raw)
-        except Exception as exc:  # reported to all ranks, never raised alone
-            error = f"{type(exc).__name__}: {exc}"
+        mine, error = None, local_error
+        if error is None:
+            try:
+                mine = cls.from_env(raw)
+            except Exception as exc:  # reported to all ranks, never raised alone
+                error = f"cannot read its settings: {type(exc).__name__}: {exc}"
         everyone = control.allgather((raw, mine, error))
         bad = [(r, e) for r, (_, _, e) in enumerate(everyone) if e]
         if bad:
-            raise BackendUnavailableError(f"the nvshmem engine cannot read its settings on rank {bad[0][0]}: "
-                                          f"{bad[0][1]}")
+            raise BackendUnavailableError(f"the nvshmem engine cannot start on rank {bad[0][0]}: {bad[0][1]}")
         for field, names in cls.VARIABLES.items():
             if len({getattr(s, field) for _, s, _ in everyone}) > 1:
                 values = "; ".join(
@@ -337,11 +339,15 @@ class NVSHMEMEngine(Engine):
     operand_packages: ClassVar[tuple[str, ...]] = ("numpy",)
     requires_symmetric_operands: ClassVar[bool] = True
 
-    def __init__(self, nv: Any, drv: Any, device: int, control: ControlPlane | None, status: int) -> None:
+    def __init__(self, nv: Any, drv: Any, device: int, control: ControlPlane | None, status: int,
+                 expected: tuple[int, int] | None = None) -> None:
         self.nv, self.drv, self.device, self.status = nv, drv, device, status
         self.control = control if control is not None else NVSHMEMControl(nv, drv)
+        error = None
+        if expected is not None and (nv.my_pe(), nv.n_pes()) != expected:
+            error = f"NVSHMEM came up as PE {nv.my_pe()} of {nv.n_pes()}, expected {expected[0]} of {expected[1]}"
         try:
-            self.settings = NVSHMEMSettings.agreed(self.control)
+            self.settings = NVSHMEMSettings.agreed(self.control, local_error=error)
         except BaseException:
             if control is None:  # every PE raises here together: the collective free is safe
                 self.control.free()
@@ -399,13 +405,9 @@ class NVSHMEMEngine(Engine):
         if status < 2:
             raise BackendUnavailableError(f"NVSHMEM did not initialize (status {status}); set NVSHMEM_DEBUG=INFO")
         try:
-            if nv.my_pe() != rank or nv.n_pes() != nranks:
-                raise BackendUnavailableError(
-                    f"NVSHMEM came up as PE {nv.my_pe()} of {nv.n_pes()}, expected {rank} of {nranks}"
-                )
-            return cls(nv, drv, device, control, status)
+            return cls(nv, drv, device, control, status, expected=(rank, nranks))
         except BaseException:
-            nv.finalize()  # no half-initialized NVSHMEM (the engine's own checks fail on every PE together)
+            nv.finalize()  # no half-initialized NVSHMEM (the engine's bring-up checks fail on every PE together)
             raise
 
     @classmethod

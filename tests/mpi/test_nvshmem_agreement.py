@@ -18,6 +18,7 @@ EXPECTED = {
     "settings: DASK_PGAS_NVSHMEM_POOL_BYTES differs": "BackendUnavailableError",
     "settings: NVSHMEM_SYMMETRIC_SIZE differs": "BackendUnavailableError",
     "settings: unreadable pool size on one rank": "BackendUnavailableError",
+    "bring-up: NVSHMEM numbers one rank wrongly": "BackendUnavailableError",
     "settings: the same values spelled differently": "none",
     "settings: DASK_PGAS_NVSHMEM_RESHAPE read once at bring-up": "none",
     "settings: DASK_PGAS_NVSHMEM_POOL_BYTES read once at bring-up": "none",

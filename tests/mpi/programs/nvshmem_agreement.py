@@ -49,8 +49,10 @@ class FakeNV:
         self.calls["finalize"] += 1
         LIB.Barrier()
 
+    wrong_pe = False  # this rank's NVSHMEM reports another PE number than asked for
+
     def my_pe(self):
-        return RANK
+        return (RANK + 1) % SIZE if self.wrong_pe else RANK
 
     def n_pes(self):
         return SIZE
@@ -201,6 +203,15 @@ case("settings: DASK_PGAS_NVSHMEM_POOL_BYTES differs",
 case("settings: NVSHMEM_SYMMETRIC_SIZE differs", lambda: bring_up_with(NVSHMEM_SYMMETRIC_SIZE=f"{RANK + 1}g"))
 case("settings: unreadable pool size on one rank",
      lambda: bring_up_with(**({"DASK_PGAS_NVSHMEM_POOL_BYTES": "lots"} if RANK == LAST else {})))
+def bring_up_as_wrong_pe():
+    NV.wrong_pe = RANK == LAST
+    try:
+        bring_up_with()
+    finally:
+        NV.wrong_pe = False
+
+
+case("bring-up: NVSHMEM numbers one rank wrongly", bring_up_as_wrong_pe)
 case("settings: the same values spelled differently",
      lambda: bring_up_with(NVSHMEM_SYMMETRIC_SIZE="1g" if RANK else "1073741824", DASK_PGAS_NVSHMEM_RESHAPE="auto"))
 
