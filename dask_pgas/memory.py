@@ -112,20 +112,17 @@ def allocate_symmetric_memory(
                 "every allocation to the largest"
             )
         allocation = engine.allocate(max(sizes))
-        array = _view(engine, allocation, dims, dtype, pkg, axis_order)
+        array, error = None, None
+        try:
+            array = engine.as_array(allocation, dims, dtype, pkg, axis_order)
+        except Exception as exc:  # agreed before the collective free: no rank frees alone
+            error = f"{type(exc).__name__}: {exc}"
+        if bad := engine.control.agree(error):
+            engine.free(allocation)
+            raise SymmetricMemoryError(f"rank {bad[0][0]}: {bad[0][1]}")
         _register(engine, allocation, array, desc)
     log.debug("allocated symmetric %s (%d bytes on every rank)", desc, allocation.nbytes)
     return array
-
-
-def _view(engine: Engine, allocation: Allocation, dims: tuple[int, ...], dtype: Any, package: str,
-          order: str) -> Any:
-    """``engine.as_array``; on failure (the same on every rank: the arguments are agreed) the allocation is freed."""
-    try:
-        return engine.as_array(allocation, dims, dtype, package, order)
-    except BaseException:
-        engine.free(allocation)
-        raise
 
 
 def _register(engine: Engine, allocation: Allocation, array: Any, desc: str) -> None:
@@ -227,7 +224,11 @@ def _allocate_internal(engine: Engine, padded_nbytes: int, shape: Sequence[int],
     dims = tuple(shape)
     with _lock:
         allocation = engine.allocate(padded_nbytes)
-        array = _view(engine, allocation, dims, dtype, package, order)
+        try:
+            array = engine.as_array(allocation, dims, dtype, package, order)
+        except BaseException:  # the arguments are the same on every rank (a spec all agreed on): so is this
+            engine.free(allocation)
+            raise
         _register(engine, allocation, array, f"{package} {dims} {to_numpy_dtype(dtype)}")
     return array
 

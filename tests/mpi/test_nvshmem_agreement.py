@@ -35,6 +35,8 @@ EXPECTED = {
     "dtype: torch has no such dtype, on one rank": "SymmetricMemoryError",
     "dtype: library-internal allocation frees its block when the view fails": "UnsupportedOperandError",
     "dtype: no leak after the failed internal view": "none",
+    "view: fails on one rank after the dtype check": "SymmetricMemoryError",
+    "view: no leak after the failed view": "none",
 }
 
 

@@ -302,6 +302,24 @@ case("dtype: torch has no such dtype, on one rank", lambda: refused("S8" if RANK
 case("dtype: library-internal allocation frees its block when the view fails", lambda: refused("S8", True))
 case("dtype: no leak after the failed internal view", no_leak)
 
+
+def view_fails_on_one_rank():
+    """The dtype passes everywhere but viewing the block fails on one rank only: every rank frees it together."""
+    def as_array(allocation, shape, dtype, package, order="C"):
+        if RANK == LAST:
+            raise RuntimeError("cannot view the block (fake)")
+        return np.zeros(shape)
+
+    ENGINE.as_array = as_array
+    try:
+        dask_pgas.allocate_symmetric_memory((8,), "torch", dtype="float64")
+    finally:
+        del ENGINE.as_array
+
+
+case("view: fails on one rank after the dtype check", view_fails_on_one_rank)
+case("view: no leak after the failed view", no_leak)
+
 dask_pgas.finalize()
 assert not NV.live, f"symmetric memory leaked: {len(NV.live)} block(s)"
 assert NV.calls["init"] == NV.calls["finalize"], NV.calls
