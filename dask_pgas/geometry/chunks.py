@@ -78,6 +78,14 @@ class ChunkPlan:
         """Output chunk index -> PE (only non-empty chunks)."""
         return {p.index: pe for pe, pieces in enumerate(self.outputs) for p in pieces}
 
+    def shared_chunks(self) -> set[Index]:
+        """Input chunks that the input boxes share out between several PEs."""
+        takers: dict[Index, set[int]] = {}
+        for pe, pieces in enumerate(self.inputs):
+            for p in pieces:
+                takers.setdefault(p.index, set()).add(pe)
+        return {index for index, pes in takers.items() if len(pes) > 1}
+
     @property
     def is_local(self) -> bool:
         """No element changes PE: every PE's output box is its input box (always so with one PE)."""

@@ -28,7 +28,17 @@ from ..errors import CollectiveError
 from ._worker_plugin import RunSpec, get_plugin
 
 
-class PinnedTask(Task):
+class _Unfused(Task):
+    """A task that low-level fusion leaves alone (its key and type reach the scheduler plugin)."""
+
+    __slots__ = ()
+
+    @property
+    def block_fusion(self) -> bool:
+        return True
+
+
+class PinnedTask(_Unfused):
     """A task that must run on the worker of PE ``pe`` of PGAS world ``epoch`` (never fused away)."""
 
     pe: int
@@ -47,15 +57,11 @@ class PinnedTask(Task):
         return type(self)(self.key, self.func, *self.args, pe=self.pe, epoch=self.epoch, npes=self.npes,
                           **self.kwargs)
 
-    @property
-    def block_fusion(self) -> bool:
-        return True
-
     def __repr__(self) -> str:
         return f"PinnedTask({self.key!r}, pe={self.pe})"
 
 
-class PieceTask(Task):
+class PieceTask(_Unfused):
     """The part of one input chunk that goes to another PE than the rest of it (``chunk[slices]``).
 
     Sliced where the chunk is (the scheduler plugin restricts it, loosely, to a holder of the chunk), so Dask
@@ -64,17 +70,9 @@ class PieceTask(Task):
 
     __slots__ = ()
 
-    @property
-    def block_fusion(self) -> bool:
-        return True
 
-
-class BarrierTask(Task):
+class BarrierTask(_Unfused):
     __slots__ = ()
-
-    @property
-    def block_fusion(self) -> bool:
-        return True
 
 
 def transfer(name: str, pe: int, epoch: int, spec: RunSpec, pieces: tuple, *arrays: Any) -> int:
@@ -131,7 +129,7 @@ def build_graph(x, plan, name: str, epoch: int, spec: RunSpec) -> dict:
     token = name[len("pgas-rechunk-"):]
     tname, bname = f"pgas-transfer-{token}", f"pgas-barrier-{token}"
     dsk: dict = {}
-    cut = _cut_chunks(plan)
+    cut = plan.shared_chunks()
     for pe, pieces in enumerate(plan.inputs):
         key = (tname, pe)
         refs, slices = [], []
@@ -159,15 +157,6 @@ def build_graph(x, plan, name: str, epoch: int, spec: RunSpec) -> dict:
     return dsk
 
 
-def _cut_chunks(plan) -> set:
-    """Input chunks that the plan's input boxes share out between several PEs."""
-    takers: dict = {}
-    for pe, pieces in enumerate(plan.inputs):
-        for p in pieces:
-            takers.setdefault(p.index, set()).add(pe)
-    return {index for index, pes in takers.items() if len(pes) > 1}
-
-
 def _source(dsk: dict, x, token: str, tag: tuple, index: tuple, chunk_slices: tuple, cut: bool):
     """A reference to input chunk ``index`` and the slices of it to read; for a chunk ``cut`` between PEs, a
     :class:`PieceTask` (keyed by ``tag``) that slices it where it is, so that only the part travels."""
@@ -187,7 +176,7 @@ def build_local_graph(x, plan, name: str, epoch: int) -> dict:
 
     owner = plan.output_owner()
     token = name[len("pgas-rechunk-"):]
-    cut = _cut_chunks(plan)
+    cut = plan.shared_chunks()
     dsk: dict = {}
     for index, pieces in chunk_sources(plan.chunks_in, plan.chunks_out):
         key = (name, *index)

@@ -153,3 +153,11 @@ def test_16k_chunks_plan_fast():
     plan = plan_chunks(chunks_in, chunks_out, 4)
     assert time.perf_counter() - t0 < 1.0
     assert sum(len(p) for p in plan.inputs) == 128 * 128
+
+
+def test_shared_chunks():
+    """Input chunks split between PEs' boxes (sliced before they travel) and none on chunk-aligned layouts."""
+    one = plan_chunks(((90,), (90,)), ((30, 30, 30), (90,)), 3, {})
+    assert one.shared_chunks() == {(0, 0)}
+    slabs = plan_chunks(((90,), (30, 30, 30)), ((30, 30, 30), (90,)), 3, {})
+    assert slabs.shared_chunks() == set()
