@@ -12,36 +12,24 @@ import pytest
 pytest.importorskip("distributed")
 
 
-class _NannyCluster:
-    """A ``LocalCluster`` of non-MPI GPU workers with a PGAS world bootstrapped over NVSHMEM unique ids."""
+def _nanny_cluster(n_workers: int):
+    """A ``LocalCluster`` of GPU workers that are not one MPI job, with a PGAS world made from an NVSHMEM unique
+    id handed out by the scheduler."""
+    from distributed import Client, LocalCluster
 
-    def __init__(self, n_workers: int) -> None:
-        from distributed import Client, LocalCluster
+    import dask_pgas
 
-        import dask_pgas
-
-        os.environ.setdefault("DASK_PGAS__COLLECTIVE_TIMEOUT", "60s")  # inherited by the worker processes
-        self._cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,
-                                     memory_limit=0, dashboard_address=None)
-        with Client(self._cluster) as client:
-            dask_pgas.bootstrap(client, backends=["nvshmem"])
-            self.world = dask_pgas.world(client, detail=True)
-        # not one MPI job (a worker that touched mpi4py is an MPI singleton: a world of its own)
-        sizes = {w: i["mpi_size"] for w, i in self.world.info.items()}
-        if any(n not in (None, 1) for n in sizes.values()):
-            raise RuntimeError(f"expected workers outside one MPI job, got MPI world sizes {sizes}")
-
-    def __getattr__(self, name):
-        return getattr(self._cluster, name)
-
-    def close(self) -> None:
-        from distributed import Client
-
-        import dask_pgas
-
-        with Client(self._cluster) as client:
-            dask_pgas.teardown(client)
-        self._cluster.close()
+    os.environ.setdefault("DASK_PGAS__COLLECTIVE_TIMEOUT", "60s")  # inherited by the worker processes
+    cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, memory_limit=0,
+                           dashboard_address=None)
+    with Client(cluster) as client:
+        dask_pgas.bootstrap(client, backends=["nvshmem"])
+        sizes = {w: i["mpi_size"] for w, i in dask_pgas.world(client, detail=True).info.items()}
+    # not one MPI job (a worker that touched mpi4py is an MPI singleton: a world of its own)
+    if any(n not in (None, 1) for n in sizes.values()):
+        cluster.close()
+        raise RuntimeError(f"expected workers outside one MPI job, got MPI world sizes {sizes}")
+    return cluster
 
 
 @pytest.fixture(scope="session")
@@ -51,7 +39,7 @@ def pgas_cluster():
     from ._xp import BACKEND, GPU_WORKERS, NWORKERS
 
     if GPU_WORKERS and os.environ.get("DASK_PGAS_TEST_CLUSTER") == "local":
-        cluster = _NannyCluster(NWORKERS)
+        cluster = _nanny_cluster(NWORKERS)
     else:
         cluster = dask_pgas.LocalMPICluster(
             n_workers=NWORKERS, env={"DASK_PGAS__COLLECTIVE_TIMEOUT": "60s"}, backends=[BACKEND],
