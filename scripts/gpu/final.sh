@@ -89,18 +89,26 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>
 python3 -c "import dask, distributed; from dask_pgas.engines.nvshmem import NVSHMEMEngine as E; print('dask', dask.__version__, 'unavailable_reason:', E.unavailable_reason())" >>"$S" 2>&1
 MPIRUN="mpirun --bind-to none"
 SUITE=tests/mpi/programs/reshape_suite.py
+# core_suite NP PACKAGE EXAMPLES TIMEOUT LOG: the engine's random-layout suite against NumPy
+core_suite() {
+  step "core suite np=$1 $2" "$4" "$5" $MPIRUN -n "$1" python3 $SUITE --backend nvshmem --package "$2" --examples "$3"
+}
+# engine_benches TIMEOUT: issue 3's benchmark at 1, 2 and 4 PEs
+engine_benches() {
+  for np_ in 1 2 4; do
+    step "bench np=$np_" "$1" "$OUT/bench.log" $MPIRUN -n $np_ python3 benchmarks/bench_gpu_reshape.py
+  done
+}
 if [ "${1:-run}" = part1 ]; then  # correctness side by side, then the timed jobs one at a time
   step "pytest tests/gpu" 240 "$OUT/p1-pytest-gpu.log" python3 -m pytest -q -p no:cacheprovider tests/gpu &
   step "dask suite, 2 GPU workers" 240 "$OUT/p1-dask2.log" env DASK_PGAS_TEST_GPU_WORKERS=2 python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py tests/dask/test_chunks.py &
   ( step "gpu_checks np=4" 100 "$OUT/p1-engine.log" $MPIRUN -n 4 python3 tests/gpu/programs/gpu_checks.py
     step "numpy suite np=4" 90 "$OUT/p1-engine.log" $MPIRUN -n 4 python3 $SUITE --backend nvshmem --package numpy --examples 10
-    step "core suite np=1 cupy" 60 "$OUT/p1-engine.log" $MPIRUN -n 1 python3 $SUITE --backend nvshmem --package cupy --examples 12
-    step "core suite np=2 numpy" 60 "$OUT/p1-engine.log" $MPIRUN -n 2 python3 $SUITE --backend nvshmem --package numpy --examples 12
-    step "core suite np=4 torch" 90 "$OUT/p1-engine.log" $MPIRUN -n 4 python3 $SUITE --backend nvshmem --package torch --examples 8 ) &
+    core_suite 1 cupy 12 60 "$OUT/p1-engine.log"
+    core_suite 2 numpy 12 60 "$OUT/p1-engine.log"
+    core_suite 4 torch 8 90 "$OUT/p1-engine.log" ) &
   wait
-  for np_ in 1 2 4; do
-    step "bench np=$np_" 60 "$OUT/bench.log" $MPIRUN -n $np_ python3 benchmarks/bench_gpu_reshape.py
-  done
+  engine_benches 60
   step "rechunk bench, 1 GPU worker" 220 "$OUT/rechunk1.log" python3 benchmarks/bench_rechunk_gpu.py --workers 1 --sizes 512MiB,4GiB,16GiB
   step "demo (main job), 1 GPU worker, 1GiB" 120 "$OUT/demo.log" python3 -m dask_pgas.cli demo --repeats 3
   grep -h "^BENCH" "$OUT/bench.log" >>"$S" 2>/dev/null
@@ -133,9 +141,7 @@ if [ "${1:-run}" = part5 ]; then  # last block: output tasks overlap the collect
   done
   wait
   step "rechunk bench, 2 GPU workers" 90 "$OUT/rechunk2.log" python3 benchmarks/bench_rechunk_gpu.py --workers 2 --sizes 512MiB,2GiB --tasks-limit 0
-  for np_ in 1 2 4; do
-    step "bench np=$np_" 40 "$OUT/bench.log" $MPIRUN -n $np_ python3 benchmarks/bench_gpu_reshape.py
-  done
+  engine_benches 40
   mps_start
   for np_ in 2 4; do
     export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / np_))
@@ -156,13 +162,11 @@ if [ "${1:-run}" = s3-run ]; then  # session 3, call 3 (part-ac): correctness si
   ( for np_ in 1 2 4; do
       step "gpu_checks np=$np_" 100 "$OUT/s3-engine.log" $MPIRUN -n $np_ python3 tests/gpu/programs/gpu_checks.py
     done
-    step "core suite np=3 cupy" 90 "$OUT/s3-engine.log" $MPIRUN -n 3 python3 $SUITE --backend nvshmem --package cupy --examples 10
-    step "core suite np=2 numpy" 90 "$OUT/s3-engine.log" $MPIRUN -n 2 python3 $SUITE --backend nvshmem --package numpy --examples 10
-    step "core suite np=4 torch" 90 "$OUT/s3-engine.log" $MPIRUN -n 4 python3 $SUITE --backend nvshmem --package torch --examples 8 ) &
+    core_suite 3 cupy 10 90 "$OUT/s3-engine.log"
+    core_suite 2 numpy 10 90 "$OUT/s3-engine.log"
+    core_suite 4 torch 8 90 "$OUT/s3-engine.log" ) &
   wait
-  for np_ in 1 2 4; do
-    step "bench np=$np_" 40 "$OUT/bench.log" $MPIRUN -n $np_ python3 benchmarks/bench_gpu_reshape.py
-  done
+  engine_benches 40
   step "rechunk bench, 2 GPU workers" 100 "$OUT/rechunk2.log" python3 benchmarks/bench_rechunk_gpu.py --workers 2 --sizes 512MiB,2GiB --tasks-limit 0
   step "rechunk bench, 1 GPU worker" 120 "$OUT/rechunk1.log" python3 benchmarks/bench_rechunk_gpu.py --workers 1 --sizes 512MiB,4GiB,16GiB --tasks-limit 0
   grep -h "passed\|failed" "$OUT"/s3-dask*.log "$OUT"/s3-pytest-gpu.log >>"$S" 2>/dev/null
@@ -244,9 +248,9 @@ SUITE=tests/mpi/programs/reshape_suite.py
 step "dask suite, 2 GPU workers" 200 "$OUT/dask2.log" env DASK_PGAS_TEST_GPU_WORKERS=2 python3 -m pytest -q -p no:cacheprovider -x tests/dask/test_rechunk.py &
 step "numpy suite np=2 (trace)" 70 "$OUT/numpy.log" env DASK_PGAS_NVSHMEM_TRACE=1 DASK_PGAS_TEST_DUMP_AFTER=55 $MPIRUN -n 2 python3 $SUITE --backend nvshmem --package numpy --examples 15 &
 ( step "gpu_checks np=2" 100 "$OUT/engine.log" $MPIRUN -n 2 python3 tests/gpu/programs/gpu_checks.py
-  step "core suite np=2 cupy" 100 "$OUT/engine.log" $MPIRUN -n 2 python3 $SUITE --backend nvshmem --package cupy --examples 12
-  step "core suite np=2 torch" 100 "$OUT/engine.log" $MPIRUN -n 2 python3 $SUITE --backend nvshmem --package torch --examples 12
-  step "core suite np=3 cupy" 100 "$OUT/engine.log" $MPIRUN -n 3 python3 $SUITE --backend nvshmem --package cupy --examples 8 ) &
+  core_suite 2 cupy 12 100 "$OUT/engine.log"
+  core_suite 2 torch 12 100 "$OUT/engine.log"
+  core_suite 3 cupy 8 100 "$OUT/engine.log" ) &
 wait
 # ---- phase 2: timed, one at a time
 step "demo 1 GPU worker, S1 512MiB" 150 "$OUT/demo1.log" python3 -m dask_pgas.cli demo --size 512MiB --workers 1 --repeats 3
