@@ -14,16 +14,11 @@ import argparse
 import json
 import statistics
 import time
+import uuid
 
 
 def _identity(block):
     return block
-
-
-def _sync():
-    import cupy
-
-    cupy.cuda.Device().synchronize()
 
 
 def _affinity():
@@ -41,11 +36,10 @@ def main() -> None:
 
     import cupy
     import dask.array as da
-    from dask.core import flatten
     from distributed import Client, wait
 
     import dask_pgas
-    from dask_pgas.cli import wait_forgotten
+    from dask_pgas.cli import _sync_device, timed_persist
 
     env = {"OMPI_MCA_hwloc_base_binding_policy": args.binding} if args.binding else {}
     with dask_pgas.LocalMPICluster(n_workers=args.workers, gpus=1, bootstrap=False, env=env) as cluster, \
@@ -56,31 +50,19 @@ def main() -> None:
         wait(x)
         out = {}
         for label, sync in (("persist", False), ("persist+sync", True)):
-            times, res = [], None
-            for i in range(args.repeats + 1):
-                if res is not None:
-                    keys = list(flatten(res.__dask_keys__()))
-                    res = None
-                    wait_forgotten(client, keys)
-                t0 = time.perf_counter()
-                res = x.map_blocks(_identity, dtype=x.dtype, meta=x._meta, name=f"floor-{label}-{i}").persist()
-                wait(res)
-                if sync:
-                    client.run(_sync)
-                if i:
-                    times.append(time.perf_counter() - t0)
-            out[label] = times
+            out[label], _ = timed_persist(
+                client, lambda: x.map_blocks(_identity, dtype=x.dtype, meta=x._meta, name=f"floor-{uuid.uuid4().hex}"),
+                args.repeats, device_sync=sync, warmup=True)
         times = []
         for i in range(args.repeats + 1):
             t0 = time.perf_counter()
-            client.run(_sync)
+            client.run(_sync_device)
             if i:
                 times.append(time.perf_counter() - t0)
-        out["client.run"] = times
+        out["client.run"] = statistics.median(times)
         row = {"workers": args.workers, "binding": args.binding or "LocalMPICluster default",
                "cores_per_worker": sorted(cores.values())}
-        row.update({k: round(statistics.median(v) * 1e3, 2) for k, v in out.items()})
-        row.update({k + "_min": round(min(v) * 1e3, 2) for k, v in out.items()})
+        row.update({k: round(v * 1e3, 2) for k, v in out.items()})
         print("FLOOR " + json.dumps(row), flush=True)
 
 

@@ -63,7 +63,7 @@ def main() -> None:
     res = {"n": n, "bytes": n * n * 8}
     for name, fn in (("d2d_ms", whole), ("cupy_strided_ms", strided), ("memcpy2d_ms", memcpy2d)):
         res[name] = round(timed(fn), 3)
-    for i, out in enumerate(rows):  # the strided result is right
+    for i in range(p):  # the strided result is right
         for j, src in enumerate(cols):
             src[i * w:(i + 1) * w, :] = i * p + j
     strided()
