@@ -215,6 +215,14 @@ if [ "${1:-run}" = s3d-run ]; then  # session 3, last block (after upload, uploa
   grep -h "passed\|failed" "$OUT"/s3d-*.log >>"$S" 2>/dev/null
   echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
 fi
+if [ "${1:-run}" = s3e-run ]; then  # session 3, after the review (after upload, upload2): the engine's bring-up
+  for np_ in 1 2 4; do
+    step "gpu_checks np=$np_" 60 "$OUT/s3e-engine.log" $MPIRUN -n $np_ python3 tests/gpu/programs/gpu_checks.py
+  done
+  rm -f /tmp/uid.bin
+  step "uid bring-up with reshape np=2" 40 "$OUT/s3e-engine.log" $MPIRUN -n 2 python3 tests/gpu/programs/uid_checks.py /tmp/uid.bin
+  echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
+fi
 if [ "${1:-run}" = part2 ]; then  # Dask on 1/4 GPU workers, 2-worker rechunk bench, MPS block, failure test
   step "rechunk bench, 2 GPU workers" 120 "$OUT/rechunk2.log" python3 benchmarks/bench_rechunk_gpu.py --workers 2 --sizes 512MiB,2GiB
   step "dask suite, 1 GPU worker" 200 "$OUT/p2-dask1.log" env DASK_PGAS_TEST_GPU_WORKERS=1 python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py &
