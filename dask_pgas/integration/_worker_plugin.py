@@ -23,7 +23,7 @@ from typing import Any
 import dask
 from distributed import WorkerPlugin
 
-from ..errors import CollectiveError, RuntimeStateError
+from ..errors import CollectiveError, RuntimeStateError, SymmetricMemoryError
 from ._exceptions import PGASWorldError
 
 logger = logging.getLogger("dask_pgas.integration")
@@ -505,7 +505,15 @@ class PGASWorkerPlugin(WorkerPlugin):
         if any(e.requires_symmetric_operands for e in engines):
             if errors := control.agree(local_error):
                 raise _RunError("; ".join(f"PE {r}: {e}" for r, e in errors))
-            buffers = self._grow_buffers(staged[0])
+            try:
+                buffers = self._grow_buffers(staged[0])
+            except (MemoryError, SymmetricMemoryError) as exc:
+                # Sized from the agreed spec, on heaps of one size with one allocation history (every
+                # allocation is collective): every PE fails here alike, before any data moved.
+                raise _RunError(
+                    f"the symmetric staging buffers cannot grow for this rechunk ({exc}); give "
+                    "the workers a larger heap (NVSHMEM_SYMMETRIC_SIZE before they start) or rechunk less at once"
+                ) from exc
         t0 = time.perf_counter()
         plan = src = dst = None
         if local_error is None:

@@ -120,6 +120,25 @@ def test_killed_launcher_leaves_no_processes():
     assert not left, f"processes {left} outlived their launcher"
 
 
+@pytest.mark.skipif(not GPU_WORKERS, reason="needs the NVSHMEM heap of GPU workers")
+def test_full_heap_fails_the_rechunk_not_the_world():
+    """Staging buffers that cannot grow (the heap is full on every PE alike) fail that rechunk with a clear
+    error; the world stays usable and the input computable."""
+    from distributed import Client
+
+    with dask_pgas.LocalMPICluster(n_workers=2, env={"NVSHMEM_SYMMETRIC_SIZE": "128m"}, backends=[BACKEND],
+                                   gpus=1) as cluster, Client(cluster) as client:
+        small = on_device(da.random.random((300, 300), chunks=(300, 100))).persist()
+        big = on_device(da.random.random((8192, 8192), chunks=(8192, 4096))).persist()  # 256 MiB boxes
+        with pytest.raises(CollectiveError, match=r"cannot grow.*NVSHMEM_SYMMETRIC_SIZE"):
+            dask_pgas.rechunk(big, (4096, 8192)).compute()
+        assert dask_pgas.world(client).broken is None
+        ref = host(small.compute())
+        np.testing.assert_array_equal(host(dask_pgas.rechunk(small, (100, 300)).compute()), ref)
+        assert float(big.rechunk((4096, 8192), method="tasks").sum().compute()) > 0
+        assert set(dask_pgas.teardown(client).values()) == {0}
+
+
 @pytest.mark.skipif(bool(GPU_WORKERS), reason="GPU workers outside MPI bootstrap over NVSHMEM (conftest 'local')")
 def test_non_mpi_workers_without_nvshmem_get_a_clear_error():
     """Workers that are not one MPI job (Nanny processes of a LocalCluster) need NVSHMEM's unique-id bring-up;

@@ -37,6 +37,10 @@ EXPECTED = {
     "dtype: no leak after the failed internal view": "none",
     "view: fails on one rank after the dtype check": "SymmetricMemoryError",
     "view: no leak after the failed view": "none",
+    "plugin: staging buffers cannot grow, heap full on every PE": "_RunError",
+    "plugin: no leak after the failed growth": "none",
+    "plugin: heap full when grown buffers must grow again": "_RunError",
+    "plugin: no leak after the failed regrowth": "none",
 }
 
 

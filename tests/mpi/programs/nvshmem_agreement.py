@@ -57,9 +57,13 @@ class FakeNV:
     def n_pes(self):
         return SIZE
 
+    full = False  # the symmetric heap has no room left (on every PE alike, as NVSHMEM's heaps are symmetric)
+
     def malloc(self, nbytes):
         self.calls["malloc"] += 1
         LIB.Barrier()
+        if self.full:
+            raise MemoryError(f"nvshmem_malloc({nbytes}) failed: the symmetric heap is full (fake)")
         buf = np.zeros(max(nbytes, 1), np.uint8)
         self.live[buf.ctypes.data] = buf
         return buf.ctypes.data
@@ -319,6 +323,53 @@ def view_fails_on_one_rank():
 
 case("view: fails on one rank after the dtype check", view_fails_on_one_rank)
 case("view: no leak after the failed view", no_leak)
+
+
+
+# -- the Dask worker plugin: staging buffers that cannot grow fail that rechunk only, not the world -------------
+def plugin_run(grown_before):
+    """One rechunk run on the worker plugin (no Dask: a stand-in worker) whose staging buffers cannot grow because
+    the heap is full everywhere: every PE raises the non-fatal run error, the world stays usable, nothing leaks."""
+    from dask_pgas.integration._worker_plugin import PGASWorkerPlugin, RunSpec
+
+    worker = types.SimpleNamespace(name=f"w{RANK}", address=f"fake://{RANK}", handlers={}, stream_handlers={})
+    plugin = PGASWorkerPlugin()
+    plugin.setup(worker)
+    plugin.pe, plugin.epoch, plugin.npes = RANK, 0, SIZE
+    ENGINE._drain_pool()  # blocks kept from earlier cases would let the growth succeed without a malloc
+    ENGINE.check_dtype = lambda dtype, package: None  # no CuPy here: the buffers are host arrays of the fake heap
+    ENGINE.as_array = lambda allocation, shape, dtype, package, order="C": np.zeros(shape, dtype)
+    try:
+        def spec(n):
+            cols = tuple(Box((0, n * r), (n * SIZE, n * r + n)) for r in range(SIZE))
+            rows = tuple(Box((n * r, 0), (n * r + n, n * SIZE)) for r in range(SIZE))
+            return RunSpec(cols, rows, "float64", "numpy")
+        if grown_before:
+            plugin._grow_buffers(spec(2))
+        NV.full = True
+        big = spec(4)
+        plugin.stage("run", RANK, 0, big, ((tuple(slice(None) for _ in range(2)),) * 2,),
+                     (np.zeros(big.input_boxes[RANK].shape),))
+        try:
+            plugin._run("run")
+        except Exception as exc:
+            assert getattr(exc, "fatal", True) is False, f"a fatal error: {exc!r}"
+            assert plugin.broken is None, plugin.broken
+            assert "NVSHMEM_SYMMETRIC_SIZE" in str(exc), str(exc)
+            raise
+        finally:
+            NV.full = False
+            for kind in sorted(plugin._buffers):  # the plugin's teardown, without finalizing the runtime
+                memory.free_symmetric_memory(plugin._buffers.pop(kind))
+            plugin.teardown(worker)
+    finally:
+        del ENGINE.check_dtype, ENGINE.as_array
+
+
+case("plugin: staging buffers cannot grow, heap full on every PE", lambda: plugin_run(False))
+case("plugin: no leak after the failed growth", no_leak)
+case("plugin: heap full when grown buffers must grow again", lambda: plugin_run(True))
+case("plugin: no leak after the failed regrowth", no_leak)
 
 dask_pgas.finalize()
 assert not NV.live, f"symmetric memory leaked: {len(NV.live)} block(s)"
