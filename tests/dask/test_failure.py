@@ -126,12 +126,14 @@ def test_full_heap_fails_the_rechunk_not_the_world():
     error; the world stays usable and the input computable."""
     from distributed import Client
 
-    with dask_pgas.LocalMPICluster(n_workers=2, env={"NVSHMEM_SYMMETRIC_SIZE": "128m"}, backends=[BACKEND],
-                                   gpus=1) as cluster, Client(cluster) as client:
+    # NVSHMEM's heap grows on demand (CUDA VMM) up to NVSHMEM_MAX_MEMORY_PER_GPU: cap it below one 1.5 GiB box
+    heap = {"NVSHMEM_SYMMETRIC_SIZE": "128m", "NVSHMEM_MAX_MEMORY_PER_GPU": "1g"}
+    with dask_pgas.LocalMPICluster(n_workers=2, env=heap, backends=[BACKEND], gpus=1) as cluster, \
+            Client(cluster) as client:
         small = on_device(da.random.random((300, 300), chunks=(300, 100))).persist()
-        big = on_device(da.random.random((8192, 8192), chunks=(8192, 4096))).persist()  # 256 MiB boxes
+        big = on_device(da.random.random((16384, 24576), chunks=(16384, 12288))).persist()
         with pytest.raises(CollectiveError, match=r"cannot grow.*NVSHMEM_SYMMETRIC_SIZE"):
-            dask_pgas.rechunk(big, (4096, 8192)).compute()
+            dask_pgas.rechunk(big, (8192, 24576)).compute()
         assert dask_pgas.world(client).broken is None
         ref = host(small.compute())
         np.testing.assert_array_equal(host(dask_pgas.rechunk(small, (100, 300)).compute()), ref)
