@@ -97,17 +97,25 @@ class NVSHMEMSettings:
     * ``DASK_PGAS_EMPTY_VIA_PEER=1``: reshapes with empty boxes go around cuFFTMp (see docs/gpu-validation.md);
     * ``DASK_PGAS_NVSHMEM_POOL_BYTES`` (default a quarter of ``NVSHMEM_SYMMETRIC_SIZE``; 0 disables): how many
       bytes of freed blocks the symmetric pool keeps instead of ``nvshmem_free`` (collective).
+    * ``heap_limit``: the bytes this engine lets its blocks reach on one PE. NVSHMEM 3.4 ends the process when
+      its heap cannot grow (measured on the H200, docs/gpu-validation.md), so the engine refuses, on every PE
+      alike, an allocation that would pass NVSHMEM's cap: ``NVSHMEM_MAX_MEMORY_PER_GPU`` (default 128 GiB; with
+      ``NVSHMEM_DISABLE_CUDA_VMM`` the fixed ``NVSHMEM_SYMMETRIC_SIZE``) less two ``NVSHMEM_CUMEM_GRANULARITY``
+      (default 512 MiB) for NVSHMEM's own blocks and its rounding.
     """
 
     force_peer: bool = False
     empty_via_peer: bool = False
     pool_limit: int = (1 << 30) // 4
+    heap_limit: int = (128 << 30) - (1 << 30)
 
     #: the variables each field is read from
     VARIABLES: ClassVar[dict[str, tuple[str, ...]]] = {
         "force_peer": ("DASK_PGAS_NVSHMEM_RESHAPE",),
         "empty_via_peer": ("DASK_PGAS_EMPTY_VIA_PEER",),
         "pool_limit": ("DASK_PGAS_NVSHMEM_POOL_BYTES", "NVSHMEM_SYMMETRIC_SIZE"),
+        "heap_limit": ("NVSHMEM_MAX_MEMORY_PER_GPU", "NVSHMEM_DISABLE_CUDA_VMM", "NVSHMEM_SYMMETRIC_SIZE",
+                       "NVSHMEM_CUMEM_GRANULARITY"),
     }
 
     @classmethod
@@ -118,7 +126,15 @@ class NVSHMEMSettings:
             force_peer=env.get("DASK_PGAS_NVSHMEM_RESHAPE") == "peer",
             empty_via_peer=env.get("DASK_PGAS_EMPTY_VIA_PEER") == "1",
             pool_limit=parse_size(env.get("NVSHMEM_SYMMETRIC_SIZE")) // 4 if not pool else parse_size(pool),
+            heap_limit=cls._heap_limit(env),
         )
+
+    @staticmethod
+    def _heap_limit(env: Mapping[str, str | None]) -> int:
+        static = (env.get("NVSHMEM_DISABLE_CUDA_VMM") or "").strip().lower() in ("1", "true", "yes", "y", "on")
+        cap = (parse_size(env.get("NVSHMEM_SYMMETRIC_SIZE")) if static
+               else parse_size(env.get("NVSHMEM_MAX_MEMORY_PER_GPU"), 128 << 30))
+        return cap - 2 * parse_size(env.get("NVSHMEM_CUMEM_GRANULARITY"), 512 << 20)
 
     @classmethod
     def agreed(cls, control: ControlPlane, environ: Mapping[str, str] | None = None, *,
@@ -460,15 +476,34 @@ class NVSHMEMEngine(Engine):
                 ptr = blocks.pop()
                 self._pool_bytes -= nbytes
             else:
-                try:
-                    ptr = self.nv.malloc(nbytes)
-                except MemoryError:
-                    if not self._pool_bytes:
-                        raise
-                    self._drain_pool()  # every PE drains at the same point (identical pools)
-                    ptr = self.nv.malloc(nbytes)
+                ptr = self._malloc(nbytes)
             self._allocs[ptr] = nbytes
         return Allocation(nbytes=nbytes, ptr=ptr, handle=ptr)
+
+    def _malloc(self, nbytes: int) -> int:
+        """Collective ``nvshmem_malloc``, refused before the call (on every PE alike: same blocks, same agreed
+        limit) when it would take the heap past ``settings.heap_limit``; pooled blocks are dropped first."""
+        with self._lock:
+            if self._held() + nbytes > self.settings.heap_limit and self._pool_bytes:
+                self._drain_pool()  # every PE drains at the same point (identical pools)
+            if self._held() + nbytes > self.settings.heap_limit:
+                raise MemoryError(
+                    f"the symmetric heap cannot take {nbytes} more bytes: {self._held()} are allocated and NVSHMEM "
+                    f"ends the process past its cap (dask_pgas stops at {self.settings.heap_limit}); raise "
+                    "NVSHMEM_MAX_MEMORY_PER_GPU (or NVSHMEM_SYMMETRIC_SIZE with NVSHMEM_DISABLE_CUDA_VMM=1) before "
+                    "initialize(), or use smaller pieces"
+                )
+            try:
+                return self.nv.malloc(nbytes)
+            except MemoryError:
+                if not self._pool_bytes:
+                    raise
+                self._drain_pool()
+                return self.nv.malloc(nbytes)
+
+    def _held(self) -> int:
+        """Bytes of NVSHMEM's heap held by this engine: live blocks and pooled ones."""
+        return sum(self._allocs.values()) + self._pool_bytes
 
     def free(self, allocation: Allocation) -> None:
         self.drv.ctx_synchronize()  # like cudaFree: no stream may still use the memory
@@ -544,6 +579,7 @@ class NVSHMEMEngine(Engine):
                 "heap_bytes_in_use": sum(self._allocs.values()),
                 "heap_allocations": len(self._allocs),
                 "heap_bytes_cached": self._pool_bytes,
+                "heap_limit": self.settings.heap_limit,
             }
 
     # -- reshape --------------------------------------------------------------------------------------------
@@ -633,7 +669,11 @@ class NVSHMEMReshapePlan(ReshapePlan):
                 raise
             ws = max(engine.control.allgather(getattr(self, "_ws_local", 0)))
             if ws:
-                self._workspace = engine.nv.malloc(ws)
+                try:
+                    self._workspace = engine._malloc(ws)
+                except MemoryError:  # refused on every PE alike, before the collective malloc
+                    self.free()
+                    raise
                 with engine._lock:
                     engine._allocs[self._workspace] = ws
 

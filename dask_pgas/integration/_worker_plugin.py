@@ -511,8 +511,9 @@ class PGASWorkerPlugin(WorkerPlugin):
                 # Sized from the agreed spec, on heaps of one size with one allocation history (every
                 # allocation is collective): every PE fails here alike, before any data moved.
                 raise _RunError(
-                    f"the symmetric staging buffers cannot grow for this rechunk ({exc}); give "
-                    "the workers a larger heap (NVSHMEM_SYMMETRIC_SIZE before they start) or rechunk less at once"
+                    f"the symmetric staging buffers cannot grow for this rechunk ({exc}); give the workers a "
+                    "larger heap (NVSHMEM_MAX_MEMORY_PER_GPU / NVSHMEM_SYMMETRIC_SIZE before they start) or rechunk "
+                    "less at once"
                 ) from exc
         t0 = time.perf_counter()
         plan = src = dst = None

@@ -6,7 +6,8 @@
 #      (or "rerun": only the 1- and 2-worker demos and the NumPy core suite)
 # Session 3: s3-upload (part-aa + SHA256SUMS + .whl), upload2 (part-ab), s3-run (part-ac), s3-large (nothing);
 #            second block: upload, upload2, s3b-run (part-ac); then s3c-run, s3d-run the same way.
-# Session 4: upload, upload2, s4-run (part-ac); then s4-upload, upload2, s4-heap.
+# Session 4: upload, upload2, s4-run (part-ac); then s4-upload, upload2, s4-heap; then s4-upload,
+#            upload2, s4-cap.
 # Phase 1 runs correctness jobs side by side (they share the GPU); phase 2 runs the timed jobs one at a time.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/stage /tmp/site
@@ -80,6 +81,13 @@ if [ "${1:-run}" = s3-upload ]; then  # session 3, call 1 (part-aa + wheels): pr
   step "cpu planning tests" 90 "$OUT/upload.log" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_planning_cpu.py tests/unit tests/dask/test_chunks.py
   grep -h "^FLOOR\|^LOCALCOPY" "$OUT/floor.log" "$OUT/localcopy.log" >>"$S" 2>/dev/null
   echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
+fi
+if [ "${1:-run}" = s4-upload ]; then  # session 4 (part-aa + SHA256SUMS + .whl): wheels, NVSHMEM's own variables
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  rm -f /tmp/uid.bin
+  NVSHMEM_INFO=1 timeout 60 mpirun --bind-to none -n 1 python3 tests/gpu/programs/uid_checks.py /tmp/uid.bin --no-reshape >"$OUT/nvshmem-info.log" 2>&1
+  grep -E "NVSHMEM_(SYMMETRIC_SIZE|MAX_MEMORY|DISABLE_CUDA_VMM|CUMEM)" -A1 "$OUT/nvshmem-info.log" >>"$S"
+  cat "$S"; exit 0
 fi
 if [ ! -e /tmp/site/nvidia/cufftmp/cu13/lib/libcufftMp.so.12 ]; then
   (cd /tmp/stage && cat part-* > cufftmp-cu13-lib.tar.xz && sha256sum -c SHA256SUMS | sed 's/^/  /') >>"$S" 2>&1
@@ -224,15 +232,20 @@ if [ "${1:-run}" = s3e-run ]; then  # session 3, after the review (after upload,
   step "uid bring-up with reshape np=2" 40 "$OUT/s3e-engine.log" $MPIRUN -n 2 python3 tests/gpu/programs/uid_checks.py /tmp/uid.bin
   echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
 fi
-if [ "${1:-run}" = s4-upload ]; then  # session 4 (part-aa + SHA256SUMS + .whl): wheels, NVSHMEM's own variables
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  rm -f /tmp/uid.bin
-  NVSHMEM_INFO=1 timeout 60 mpirun --bind-to none -n 1 python3 tests/gpu/programs/uid_checks.py /tmp/uid.bin --no-reshape >"$OUT/nvshmem-info.log" 2>&1
-  grep -E "NVSHMEM_(SYMMETRIC_SIZE|MAX_MEMORY|DISABLE_CUDA_VMM|CUMEM)" -A1 "$OUT/nvshmem-info.log" >>"$S"
-  cat "$S"; exit 0
-fi
 if [ "${1:-run}" = s4-heap ]; then  # session 4 (part-ac, after s4-upload and upload2): the failure tests again
   step "dask failure tests, 3 GPU workers (kill) and 2 (full heap)" 200 "$OUT/s4-failure.log" env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -p no:cacheprovider tests/dask/test_failure.py
+  grep -h "passed\|failed" "$OUT"/s4-*.log >>"$S" 2>/dev/null
+  echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
+fi
+if [ "${1:-run}" = s4-cap ]; then  # session 4 (part-ac, after s4-upload and upload2): the engine's heap cap
+  for np_ in 1 2; do
+    step "heap probe np=$np_" 60 "$OUT/s4-heap.log" env NVSHMEM_SYMMETRIC_SIZE=128m NVSHMEM_MAX_MEMORY_PER_GPU=2g $MPIRUN -n $np_ python3 scripts/gpu/probe_heap_full.py
+  done
+  step "dask failure tests, 3 GPU workers (kill) and 2 (full heap)" 200 "$OUT/s4-failure.log" env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -p no:cacheprovider tests/dask/test_failure.py
+  step "gpu_checks np=2" 60 "$OUT/s4-engine.log" $MPIRUN -n 2 python3 tests/gpu/programs/gpu_checks.py
+  core_suite 2 cupy 12 60 "$OUT/s4-engine.log"
+  dask_suite 2 150 "$OUT/s4-dask2.log"
+  grep -h "^HEAP" "$OUT/s4-heap.log" >>"$S"
   grep -h "passed\|failed" "$OUT"/s4-*.log >>"$S" 2>/dev/null
   echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
 fi

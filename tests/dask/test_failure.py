@@ -126,13 +126,14 @@ def test_full_heap_fails_the_rechunk_not_the_world():
     error; the world stays usable and the input computable."""
     from distributed import Client
 
-    # NVSHMEM's heap grows on demand (CUDA VMM) up to NVSHMEM_MAX_MEMORY_PER_GPU: cap it below one 1.5 GiB box
-    heap = {"NVSHMEM_SYMMETRIC_SIZE": "128m", "NVSHMEM_MAX_MEMORY_PER_GPU": "1g"}
+    # NVSHMEM's heap grows on demand (CUDA VMM) up to NVSHMEM_MAX_MEMORY_PER_GPU; less two 512 MiB granules the
+    # engine stops at 1 GiB, below one 1.5 GiB box
+    heap = {"NVSHMEM_SYMMETRIC_SIZE": "128m", "NVSHMEM_MAX_MEMORY_PER_GPU": "2g"}
     with dask_pgas.LocalMPICluster(n_workers=2, env=heap, backends=[BACKEND], gpus=1) as cluster, \
             Client(cluster) as client:
         small = on_device(da.random.random((300, 300), chunks=(300, 100))).persist()
         big = on_device(da.random.random((16384, 24576), chunks=(16384, 12288))).persist()
-        with pytest.raises(CollectiveError, match=r"cannot grow.*NVSHMEM_SYMMETRIC_SIZE"):
+        with pytest.raises(CollectiveError, match=r"cannot grow.*NVSHMEM_MAX_MEMORY_PER_GPU"):
             dask_pgas.rechunk(big, (8192, 24576)).compute()
         assert dask_pgas.world(client).broken is None
         ref = host(small.compute())

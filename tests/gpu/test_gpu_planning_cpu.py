@@ -349,6 +349,30 @@ def test_symmetric_pool_disabled_and_drained_when_full(monkeypatch):
     eng.free(big)
 
 
+def test_heap_cap_refuses_before_the_collective_malloc(monkeypatch):
+    """NVSHMEM ends the process when its heap cannot grow: the engine refuses such an allocation itself (the same
+    on every PE), after dropping its pooled blocks, without calling nvshmem_malloc."""
+    from dask_pgas.engines.nvshmem import NVSHMEMSettings
+
+    monkeypatch.setenv("NVSHMEM_MAX_MEMORY_PER_GPU", "1m")
+    monkeypatch.setenv("NVSHMEM_CUMEM_GRANULARITY", "128k")  # two of them are kept back: 768 KiB for the engine
+    eng = _fake_engine(monkeypatch, pool_bytes=1 << 20)
+    assert eng.heap_info()["heap_limit"] == 768 << 10
+    eng.free(eng.allocate(300_000))
+    assert eng.heap_info()["heap_bytes_cached"] == 300_000
+    big = eng.allocate(600_000)  # fits once the pooled block is dropped
+    assert eng.heap_info()["heap_bytes_cached"] == 0 and list(eng.nv.live.values()) == [600_000]
+    mallocs = len([c for c in eng.nv.calls if c[0] == "malloc"])
+    with pytest.raises(MemoryError, match="NVSHMEM_MAX_MEMORY_PER_GPU"):
+        eng.allocate(200_000)  # the fake NVSHMEM would still take it
+    assert len([c for c in eng.nv.calls if c[0] == "malloc"]) == mallocs
+    eng.free(big)
+    eng._drain_pool()
+    # a fixed heap (no CUDA VMM) is capped by NVSHMEM_SYMMETRIC_SIZE instead (4m in _fake_engine)
+    monkeypatch.setenv("NVSHMEM_DISABLE_CUDA_VMM", "1")
+    assert NVSHMEMSettings.from_env().heap_limit == (4 << 20) - (256 << 10)
+
+
 @pytest.mark.parametrize(
     "ins,outs,itemsize,mode",
     [

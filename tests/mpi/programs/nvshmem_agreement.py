@@ -355,7 +355,7 @@ def plugin_run(grown_before):
         except Exception as exc:
             assert getattr(exc, "fatal", True) is False, f"a fatal error: {exc!r}"
             assert plugin.broken is None, plugin.broken
-            assert "NVSHMEM_SYMMETRIC_SIZE" in str(exc), str(exc)
+            assert "NVSHMEM_MAX_MEMORY_PER_GPU" in str(exc), str(exc)
             raise
         finally:
             NV.full = False
