@@ -52,6 +52,25 @@ dask_suite() {
       env DASK_PGAS_TEST_GPU_WORKERS="$k" python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py
   fi
 }
+# failure_tests LOG: tests/dask/test_failure.py with 3 GPU workers (the kill test; the full-heap test makes 2)
+failure_tests() {
+  step "dask failure tests, 3 GPU workers (kill) and 2 (full heap)" 200 "$1" \
+    env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -p no:cacheprovider tests/dask/test_failure.py
+}
+# dask_block PREFIX: the Dask suite on 2 and 4 GPU workers and on 2 outside MPI side by side, then failure_tests
+dask_block() {
+  for k in 2 4; do
+    dask_suite $k 200 "$OUT/$1-dask$k.log" &
+  done
+  dask_suite 2 200 "$OUT/$1-nanny2.log" local &
+  wait
+  failure_tests "$OUT/$1-failure.log"
+}
+# finish PREFIX: the test counts of PREFIX's logs and the elapsed time into the summary; print it and exit
+finish() {
+  grep -h "passed\|failed" "$OUT"/$1-*.log >>"$S" 2>/dev/null
+  echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
+}
 cp .gpu-stage/part-* .gpu-stage/SHA256SUMS /tmp/stage/ 2>/dev/null
 if [ "${1:-run}" = upload ]; then
   ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -215,14 +234,8 @@ if [ "${1:-run}" = s3c-run ]; then  # session 3, third block (after upload, uplo
   echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
 fi
 if [ "${1:-run}" = s3d-run ]; then  # session 3, last block (after upload, upload2): the Dask suites on the final tree
-  for k in 2 4; do
-    dask_suite $k 200 "$OUT/s3d-dask$k.log" &
-  done
-  dask_suite 2 200 "$OUT/s3d-nanny2.log" local &
-  wait
-  step "dask failure test, 3 GPU workers" 150 "$OUT/s3d-failure.log" env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -p no:cacheprovider tests/dask/test_failure.py
-  grep -h "passed\|failed" "$OUT"/s3d-*.log >>"$S" 2>/dev/null
-  echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
+  dask_block s3d
+  finish s3d
 fi
 if [ "${1:-run}" = s3e-run ]; then  # session 3, after the review (after upload, upload2): the engine's bring-up
   for np_ in 1 2 4; do
@@ -233,32 +246,24 @@ if [ "${1:-run}" = s3e-run ]; then  # session 3, after the review (after upload,
   echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
 fi
 if [ "${1:-run}" = s4-heap ]; then  # session 4 (part-ac, after s4-upload and upload2): the failure tests again
-  step "dask failure tests, 3 GPU workers (kill) and 2 (full heap)" 200 "$OUT/s4-failure.log" env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -p no:cacheprovider tests/dask/test_failure.py
-  grep -h "passed\|failed" "$OUT"/s4-*.log >>"$S" 2>/dev/null
-  echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
+  failure_tests "$OUT/s4-failure.log"
+  finish s4
 fi
 if [ "${1:-run}" = s4-cap ]; then  # session 4 (part-ac, after s4-upload and upload2): the engine's heap cap
   for np_ in 1 2; do
     step "heap probe np=$np_" 60 "$OUT/s4-heap.log" env NVSHMEM_SYMMETRIC_SIZE=128m NVSHMEM_MAX_MEMORY_PER_GPU=2g $MPIRUN -n $np_ python3 scripts/gpu/probe_heap_full.py
   done
-  step "dask failure tests, 3 GPU workers (kill) and 2 (full heap)" 200 "$OUT/s4-failure.log" env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -p no:cacheprovider tests/dask/test_failure.py
+  failure_tests "$OUT/s4-failure.log"
   step "gpu_checks np=2" 60 "$OUT/s4-engine.log" $MPIRUN -n 2 python3 tests/gpu/programs/gpu_checks.py
   core_suite 2 cupy 12 60 "$OUT/s4-engine.log"
   dask_suite 2 150 "$OUT/s4-dask2.log"
   grep -h "^HEAP" "$OUT/s4-heap.log" >>"$S"
-  grep -h "passed\|failed" "$OUT"/s4-*.log >>"$S" 2>/dev/null
-  echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
+  finish s4
 fi
 if [ "${1:-run}" = s4-run ]; then  # session 4 (after upload, upload2): Dask suites on the final tree, full-heap test
-  for k in 2 4; do
-    dask_suite $k 200 "$OUT/s4-dask$k.log" &
-  done
-  dask_suite 2 200 "$OUT/s4-nanny2.log" local &
-  wait
-  step "dask failure tests, 3 GPU workers (kill) and 2 (full heap)" 200 "$OUT/s4-failure.log" env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -p no:cacheprovider tests/dask/test_failure.py
+  dask_block s4
   step "dask suite, 1 GPU worker" 150 "$OUT/s4-dask1.log" env DASK_PGAS_TEST_GPU_WORKERS=1 python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py
-  grep -h "passed\|failed" "$OUT"/s4-*.log >>"$S" 2>/dev/null
-  echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
+  finish s4
 fi
 if [ "${1:-run}" = part2 ]; then  # Dask on 1/4 GPU workers, 2-worker rechunk bench, MPS block, failure test
   step "rechunk bench, 2 GPU workers" 120 "$OUT/rechunk2.log" python3 benchmarks/bench_rechunk_gpu.py --workers 2 --sizes 512MiB,2GiB
