@@ -481,25 +481,25 @@ class NVSHMEMEngine(Engine):
         return Allocation(nbytes=nbytes, ptr=ptr, handle=ptr)
 
     def _malloc(self, nbytes: int) -> int:
-        """Collective ``nvshmem_malloc``, refused before the call (on every PE alike: same blocks, same agreed
-        limit) when it would take the heap past ``settings.heap_limit``; pooled blocks are dropped first."""
-        with self._lock:
-            if self._held() + nbytes > self.settings.heap_limit and self._pool_bytes:
-                self._drain_pool()  # every PE drains at the same point (identical pools)
-            if self._held() + nbytes > self.settings.heap_limit:
-                raise MemoryError(
-                    f"the symmetric heap cannot take {nbytes} more bytes: {self._held()} are allocated and NVSHMEM "
-                    f"ends the process past its cap (dask_pgas stops at {self.settings.heap_limit}); raise "
-                    "NVSHMEM_MAX_MEMORY_PER_GPU (or NVSHMEM_SYMMETRIC_SIZE with NVSHMEM_DISABLE_CUDA_VMM=1) before "
-                    "initialize(), or use smaller pieces"
-                )
-            try:
-                return self.nv.malloc(nbytes)
-            except MemoryError:
-                if not self._pool_bytes:
-                    raise
-                self._drain_pool()
-                return self.nv.malloc(nbytes)
+        """Collective ``nvshmem_malloc`` (the caller holds the lock), refused before the call, on every PE alike
+        (same blocks, same agreed limit), when it would take the heap past ``settings.heap_limit``; pooled
+        blocks are dropped first."""
+        if self._held() + nbytes > self.settings.heap_limit and self._pool_bytes:
+            self._drain_pool()  # every PE drains at the same point (identical pools)
+        if self._held() + nbytes > self.settings.heap_limit:
+            raise MemoryError(
+                f"the symmetric heap cannot take {nbytes} more bytes: {self._held()} are allocated and NVSHMEM "
+                f"ends the process past its cap (dask_pgas stops at {self.settings.heap_limit}); raise "
+                "NVSHMEM_MAX_MEMORY_PER_GPU (or NVSHMEM_SYMMETRIC_SIZE with NVSHMEM_DISABLE_CUDA_VMM=1) before "
+                "initialize(), or use smaller pieces"
+            )
+        try:
+            return self.nv.malloc(nbytes)
+        except MemoryError:  # a fixed heap (no CUDA VMM) can still return NULL below the limit
+            if not self._pool_bytes:
+                raise
+            self._drain_pool()
+            return self.nv.malloc(nbytes)
 
     def _held(self) -> int:
         """Bytes of NVSHMEM's heap held by this engine: live blocks and pooled ones."""
@@ -626,7 +626,7 @@ class NVSHMEMReshapePlan(ReshapePlan):
 
         self.engine, self.spec = engine, spec
         self._handle = 0
-        self._workspace = 0
+        self._workspace: Allocation | None = None
         self._stage: tuple[Allocation, Allocation] | None = None
         self._last_stream = 0
         self._freed = False
@@ -668,14 +668,13 @@ class NVSHMEMReshapePlan(ReshapePlan):
                 self.free()
                 raise
             ws = max(engine.control.allgather(getattr(self, "_ws_local", 0)))
+            _trace(spec.rank, f"plan workspace={ws}")
             if ws:
                 try:
-                    self._workspace = engine._malloc(ws)
-                except MemoryError:  # refused on every PE alike, before the collective malloc
+                    self._workspace = engine.allocate(ws)
+                except MemoryError:  # refused on every PE alike (the heap cap), before the collective malloc
                     self.free()
                     raise
-                with engine._lock:
-                    engine._allocs[self._workspace] = ws
 
     def _create_cufftmp(self) -> None:
         """Local: load cuFFTMp and create the handle."""
@@ -740,7 +739,7 @@ class NVSHMEMReshapePlan(ReshapePlan):
         elif self.mode == "cufftmp":
             if sync:
                 self.engine.nv.sync_all_on_stream(stream)
-            self._cf.execute(self._handle, dst, src, self._workspace, stream)
+            self._cf.execute(self._handle, dst, src, self._workspace.ptr if self._workspace else 0, stream)
         else:
             self._run_peer(src, dst, stream)
 
@@ -785,11 +784,9 @@ class NVSHMEMReshapePlan(ReshapePlan):
         if self._handle:
             self._cf.destroy(self._handle)
             self._handle = 0
-        if self._workspace:
-            with eng._lock:
-                eng._allocs.pop(self._workspace, None)
-            eng.nv.free(self._workspace)
-            self._workspace = 0
+        if self._workspace is not None:
+            eng.free(self._workspace)
+            self._workspace = None
         if self._stage is not None:
             for a in self._stage:
                 eng.free(a)

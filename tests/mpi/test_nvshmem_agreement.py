@@ -30,6 +30,9 @@ EXPECTED = {
     "plan: healthy after the failed create": "none",
     "plan: cufftMpMakeReshape fails on one rank": "CollectiveError",
     "plan: healthy after the failed make": "none",
+    "plan: cuFFTMp asks one rank for a workspace": "none",
+    "plan: a workspace past the heap cap is refused on every rank": "MemoryError",
+    "plan: healthy after the refused workspace": "none",
     "dtype: torch has no such dtype, on every rank": "SymmetricMemoryError",
     "dtype: no leak after the refused dtype": "none",
     "dtype: torch has no such dtype, on one rank": "SymmetricMemoryError",
@@ -65,6 +68,9 @@ def test_gpu_engine_agrees_before_collectives(nranks):
         "plan: cufftMpMakeReshape fails on one rank": ("destroy",),
         "dtype: torch has no such dtype, on every rank": ("malloc",),
         "dtype: torch has no such dtype, on one rank": ("malloc",),
+        "plan: a workspace past the heap cap is refused on every rank": ("malloc", "execute"),
     }
     for name, forbidden in never.items():
         assert not [c for c in calls[name] for f in forbidden if c.get(f)], (name, calls[name])
+    # the refused workspace's plan is destroyed on every rank (collective, so all or none)
+    assert all(c.get("destroy") == 1 for c in calls["plan: a workspace past the heap cap is refused on every rank"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import dataclasses
 import importlib.machinery
 import json
 import os
@@ -108,6 +109,8 @@ class FakeDriver:
 
 class FakeCuFFTMp:
     fail = None  # "create", "make" or "execute": this rank's call raises (make/execute after the barrier)
+    workspace = 0  # bytes of workspace this rank's plans ask for
+    last_workspace = None  # the workspace pointer of the last execute
 
     def __init__(self):
         self.calls = collections.Counter()
@@ -125,10 +128,11 @@ class FakeCuFFTMp:
             raise RuntimeError("cufftMpMakeReshape failed (fake)")
 
     def workspace_size(self, handle):
-        return 0
+        return self.workspace
 
     def execute(self, handle, out, inp, workspace, stream):
         self.calls["execute"] += 1
+        self.last_workspace = workspace
         LIB.Barrier()
 
     def destroy(self, handle):
@@ -287,6 +291,26 @@ case("plan: cufftMpMakeReshape fails on one rank", lambda: failing(CF, "make"))
 case("plan: healthy after the failed make", healthy)
 
 
+def with_workspace(limit=None):
+    """cuFFTMp asks only the last rank for a workspace: every rank allocates that size, executes with it and frees
+    it. With a heap ``limit`` below it the engine refuses it on every rank before the collective malloc."""
+    settings = ENGINE.settings
+    CF.workspace = 4096 if RANK == LAST else 0
+    if limit is not None:
+        ENGINE._drain_pool()  # a pooled block of that size would be reused: no growth, no check
+        ENGINE.settings = dataclasses.replace(settings, heap_limit=limit)
+    try:
+        healthy()
+        assert CF.last_workspace, "cuFFTMp executed without the workspace"
+    finally:
+        CF.workspace, CF.last_workspace, ENGINE.settings = 0, None, settings
+
+
+case("plan: cuFFTMp asks one rank for a workspace", with_workspace)
+case("plan: a workspace past the heap cap is refused on every rank", lambda: with_workspace(limit=1024))
+case("plan: healthy after the refused workspace", healthy)
+
+
 # -- a dtype the package cannot view is refused before the collective allocation -------------------------------
 def refused(dtype, internal=False):
     if internal:
@@ -323,7 +347,6 @@ def view_fails_on_one_rank():
 
 case("view: fails on one rank after the dtype check", view_fails_on_one_rank)
 case("view: no leak after the failed view", no_leak)
-
 
 
 # -- the Dask worker plugin: staging buffers that cannot grow fail that rechunk only, not the world -------------
