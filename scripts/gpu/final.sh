@@ -7,7 +7,7 @@
 # Session 3: s3-upload (part-aa + SHA256SUMS + .whl), upload2 (part-ab), s3-run (part-ac), s3-large (nothing);
 #            second block: upload, upload2, s3b-run (part-ac); then s3c-run, s3d-run the same way.
 # Session 4: upload, upload2, s4-run (part-ac); then s4-upload, upload2, s4-heap; then s4-upload,
-#            upload2, s4-cap.
+#            upload2, s4-cap; after the review s4-upload, upload2, s4-review.
 # Phase 1 runs correctness jobs side by side (they share the GPU); phase 2 runs the timed jobs one at a time.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/stage /tmp/site
@@ -259,6 +259,15 @@ if [ "${1:-run}" = s4-cap ]; then  # session 4 (part-ac, after s4-upload and upl
   dask_suite 2 150 "$OUT/s4-dask2.log"
   grep -h "^HEAP" "$OUT/s4-heap.log" >>"$S"
   finish s4
+fi
+if [ "${1:-run}" = s4-review ]; then  # session 4, after the review (part-ac, after s4-upload and upload2)
+  for np_ in 1 2 4; do
+    step "gpu_checks np=$np_ (traced)" 60 "$OUT/s4r-engine.log" env DASK_PGAS_NVSHMEM_TRACE=1 $MPIRUN -n $np_ python3 tests/gpu/programs/gpu_checks.py
+  done
+  echo "cuFFTMp plans by workspace size: $(grep -o 'plan workspace=[0-9]*' "$OUT/s4r-engine.log" | sort | uniq -c | tr '\n' ' ')" >>"$S"
+  failure_tests "$OUT/s4r-failure.log"
+  dask_suite 2 150 "$OUT/s4r-dask2.log"
+  finish s4r
 fi
 if [ "${1:-run}" = s4-run ]; then  # session 4 (after upload, upload2): Dask suites on the final tree, full-heap test
   dask_block s4
