@@ -363,14 +363,12 @@ def plugin_run(grown_before):
     ENGINE.check_dtype = lambda dtype, package: None  # no CuPy here: the buffers are host arrays of the fake heap
     ENGINE.as_array = lambda allocation, shape, dtype, package, order="C": np.zeros(shape, dtype)
     try:
-        def spec(n):
-            cols = tuple(Box((0, n * r), (n * SIZE, n * r + n)) for r in range(SIZE))
-            rows = tuple(Box((n * r, 0), (n * r + n, n * SIZE)) for r in range(SIZE))
-            return RunSpec(cols, rows, "float64", "numpy")
+        def spec(dtype):
+            return RunSpec(tuple(map(col, range(SIZE))), tuple(map(row, range(SIZE))), dtype, "numpy")
         if grown_before:
-            plugin._grow_buffers(spec(2))
+            plugin._grow_buffers(spec("float32"))  # half the bytes of the run below
         NV.full = True
-        big = spec(4)
+        big = spec("float64")
         plugin.stage("run", RANK, 0, big, ((tuple(slice(None) for _ in range(2)),) * 2,),
                      (np.zeros(big.input_boxes[RANK].shape),))
         try:
