@@ -37,6 +37,8 @@ class CudaDriver:
             "cuMemcpyAsync": [ctypes.c_uint64, ctypes.c_uint64, sz, vp],
             "cuStreamSynchronize": [vp],
             "cuGetErrorString": [c_int, ctypes.POINTER(ctypes.c_char_p)],
+            "cuMemGetInfo_v2": [ctypes.POINTER(sz), ctypes.POINTER(sz)],
+            "cuDeviceGetPCIBusId": [ctypes.c_char_p, c_int, c_int],
         }
         for name, args in sigs.items():
             fn = getattr(lib, name)
@@ -69,7 +71,7 @@ class CudaDriver:
         ctx = ctypes.c_void_p()
         self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
         self.check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-        self._ctx = ctx
+        self._ctx, self._dev = ctx, dev.value
 
     def _ensure_context(self) -> None:
         """Driver calls need a current context in the calling thread (a Dask worker may call from another thread
@@ -90,6 +92,20 @@ class CudaDriver:
         if nbytes:
             self._ensure_context()
             self.check(self.lib.cuMemcpyAsync(dst, src, nbytes, ctypes.c_void_p(stream or None)), "cuMemcpyAsync")
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the current device, as ``cudaMemGetInfo`` counts them (every process's use)."""
+        self._ensure_context()
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        self.check(self.lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)), "cuMemGetInfo")
+        return free.value, total.value
+
+    def pci_bus_id(self) -> str:
+        """The PCI bus id of the device made current by :meth:`make_current` (the same in every process that
+        shares it, whatever ``CUDA_VISIBLE_DEVICES`` numbers it)."""
+        buf = ctypes.create_string_buffer(32)
+        self.check(self.lib.cuDeviceGetPCIBusId(buf, len(buf), self._dev), "cuDeviceGetPCIBusId")
+        return buf.value.decode()
 
     def ctx_synchronize(self) -> None:
         self._ensure_context()

@@ -102,12 +102,17 @@ class NVSHMEMSettings:
       alike, an allocation that would pass NVSHMEM's cap: ``NVSHMEM_MAX_MEMORY_PER_GPU`` (default 128 GiB; with
       ``NVSHMEM_DISABLE_CUDA_VMM`` the fixed ``NVSHMEM_SYMMETRIC_SIZE``) less two ``NVSHMEM_CUMEM_GRANULARITY``
       (default 512 MiB) for NVSHMEM's own blocks and its rounding.
+    * ``heap_grows`` (not ``NVSHMEM_DISABLE_CUDA_VMM``): the heap maps device memory as it grows, in
+      ``granularity`` steps (``NVSHMEM_CUMEM_GRANULARITY``), so a growth needs free device memory on every PE:
+      the engine checks it together before each ``nvshmem_malloc`` (see ``NVSHMEMEngine._check_device_memory``).
     """
 
     force_peer: bool = False
     empty_via_peer: bool = False
     pool_limit: int = (1 << 30) // 4
     heap_limit: int = (128 << 30) - (1 << 30)
+    heap_grows: bool = True
+    granularity: int = 512 << 20
 
     #: the variables each field is read from
     VARIABLES: ClassVar[dict[str, tuple[str, ...]]] = {
@@ -116,6 +121,8 @@ class NVSHMEMSettings:
         "pool_limit": ("DASK_PGAS_NVSHMEM_POOL_BYTES", "NVSHMEM_SYMMETRIC_SIZE"),
         "heap_limit": ("NVSHMEM_MAX_MEMORY_PER_GPU", "NVSHMEM_DISABLE_CUDA_VMM", "NVSHMEM_SYMMETRIC_SIZE",
                        "NVSHMEM_CUMEM_GRANULARITY"),
+        "heap_grows": ("NVSHMEM_DISABLE_CUDA_VMM",),
+        "granularity": ("NVSHMEM_CUMEM_GRANULARITY",),
     }
 
     @classmethod
@@ -127,12 +134,17 @@ class NVSHMEMSettings:
             empty_via_peer=env.get("DASK_PGAS_EMPTY_VIA_PEER") == "1",
             pool_limit=parse_size(env.get("NVSHMEM_SYMMETRIC_SIZE")) // 4 if not pool else parse_size(pool),
             heap_limit=cls._heap_limit(env),
+            heap_grows=not cls._static_heap(env),
+            granularity=parse_size(env.get("NVSHMEM_CUMEM_GRANULARITY"), 512 << 20),
         )
 
     @staticmethod
-    def _heap_limit(env: Mapping[str, str | None]) -> int:
-        static = (env.get("NVSHMEM_DISABLE_CUDA_VMM") or "").strip().lower() in ("1", "true", "yes", "y", "on")
-        cap = (parse_size(env.get("NVSHMEM_SYMMETRIC_SIZE")) if static
+    def _static_heap(env: Mapping[str, str | None]) -> bool:
+        return (env.get("NVSHMEM_DISABLE_CUDA_VMM") or "").strip().lower() in ("1", "true", "yes", "y", "on")
+
+    @classmethod
+    def _heap_limit(cls, env: Mapping[str, str | None]) -> int:
+        cap = (parse_size(env.get("NVSHMEM_SYMMETRIC_SIZE")) if cls._static_heap(env)
                else parse_size(env.get("NVSHMEM_MAX_MEMORY_PER_GPU"), 128 << 30))
         return cap - 2 * parse_size(env.get("NVSHMEM_CUMEM_GRANULARITY"), 512 << 20)
 
@@ -493,6 +505,7 @@ class NVSHMEMEngine(Engine):
                 "NVSHMEM_MAX_MEMORY_PER_GPU (or NVSHMEM_SYMMETRIC_SIZE with NVSHMEM_DISABLE_CUDA_VMM=1) before "
                 "initialize(), or use smaller pieces"
             )
+        self._check_device_memory(nbytes)
         try:
             return self.nv.malloc(nbytes)
         except MemoryError:  # a fixed heap (no CUDA VMM) can still return NULL below the limit
@@ -500,6 +513,47 @@ class NVSHMEMEngine(Engine):
                 raise
             self._drain_pool()
             return self.nv.malloc(nbytes)
+
+    def _check_device_memory(self, nbytes: int) -> None:
+        """Collective (inside the collective ``_malloc``): refuse, on every PE alike, a heap growth that the GPUs'
+        free memory cannot back. NVSHMEM 3.4 maps device memory inside ``nvshmem_malloc`` and, when
+        ``cuMemCreate`` fails there, ends the process (its peers too, in the same call: measured on the H200,
+        docs/gpu-validation.md round 7). Free memory differs by PE (CuPy and torch pools, other processes), so
+        every PE reports its device's and every PE decides from all reports; PEs that share a GPU (same host and
+        PCI bus id) need room for all of their blocks together. The check asks room for the whole block and a
+        granule: NVSHMEM keeps freed heap memory mapped and may reuse it, so near a full GPU this can refuse a
+        block that would have fitted, never the reverse. When short, every PE gives CuPy's and torch's cached
+        blocks back and looks once more (dropping the engine's pool would not help: the memory stays mapped)."""
+        if not self.settings.heap_grows:
+            return  # a fixed heap was mapped whole at bring-up
+        need = nbytes + self.settings.granularity  # NVSHMEM maps whole granules
+        for attempt in range(2):
+            try:
+                free, _ = self.drv.mem_get_info()
+                mine = (socket.gethostname(), self.drv.pci_bus_id(), free, None)
+            except Exception as exc:  # reported to every PE, never raised alone
+                mine = (socket.gethostname(), None, 0, f"{type(exc).__name__}: {exc}")
+            everyone = self.control.allgather(mine)
+            if errors := [(pe, err) for pe, (_, _, _, err) in enumerate(everyone) if err]:
+                raise CollectiveError(f"PE {errors[0][0]} cannot read its free device memory: {errors[0][1]}")
+            devices: dict[tuple, list[int]] = {}
+            for pe, (host, bus, _, _) in enumerate(everyone):
+                devices.setdefault((host, bus), []).append(pe)
+            short = [(key, pes, min(everyone[pe][2] for pe in pes)) for key, pes in devices.items()
+                     if min(everyone[pe][2] for pe in pes) < need * len(pes)]
+            if not short:
+                return
+            if attempt == 0:  # the same decision on every PE: all release, then all look again
+                _release_package_caches()
+        from dask.utils import format_bytes
+
+        (host, bus), pes, free = short[0]
+        raise MemoryError(
+            f"the GPU {bus} on {host} has {format_bytes(free)} free, and growing the symmetric heap by "
+            f"{format_bytes(nbytes)} needs about {format_bytes(need * len(pes))} there (PEs {pes} use it, "
+            f"{format_bytes(need)} each with NVSHMEM's granule): free GPU memory (arrays held by CuPy or torch, "
+            "other processes), use fewer PEs per GPU, or move smaller pieces"
+        )
 
     def _held(self) -> int:
         """Bytes of NVSHMEM's heap held by this engine: live blocks and pooled ones."""
@@ -604,6 +658,16 @@ class NVSHMEMEngine(Engine):
         finally:
             self.control.free()
             self.nv.finalize()
+
+
+def _release_package_caches() -> None:
+    """Give the blocks CuPy's and torch's allocators keep cached (allocated, unused) back to the device."""
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        cupy.get_default_memory_pool().free_all_blocks()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _use_device_in_packages(device: int) -> None:

@@ -507,13 +507,14 @@ class PGASWorkerPlugin(WorkerPlugin):
                 raise _RunError("; ".join(f"PE {r}: {e}" for r, e in errors))
             try:
                 buffers = self._grow_buffers(staged[0])
-            except (MemoryError, SymmetricMemoryError) as exc:
+            except (MemoryError, SymmetricMemoryError, CollectiveError) as exc:
                 # Sized from the agreed spec, on heaps of one size with one allocation history (every
-                # allocation is collective): every PE fails here alike, before any data moved.
+                # allocation is collective, and the engine agrees on the GPUs' free memory before it grows the
+                # heap): every PE fails here alike, before any data moved.
                 raise _RunError(
-                    f"the symmetric staging buffers cannot grow for this rechunk ({exc}); give the workers a "
-                    "larger heap (NVSHMEM_MAX_MEMORY_PER_GPU / NVSHMEM_SYMMETRIC_SIZE before they start) or rechunk "
-                    "less at once"
+                    f"the symmetric staging buffers cannot grow for this rechunk ({exc}); rechunk less at once, or "
+                    "give the workers more room: a larger heap (NVSHMEM_MAX_MEMORY_PER_GPU / NVSHMEM_SYMMETRIC_SIZE "
+                    "before they start) or more free GPU memory"
                 ) from exc
         t0 = time.perf_counter()
         plan = src = dst = None

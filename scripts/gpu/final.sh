@@ -8,6 +8,7 @@
 #            second block: upload, upload2, s3b-run (part-ac); then s3c-run, s3d-run the same way.
 # Session 4: upload, upload2, s4-run (part-ac); then s4-upload, upload2, s4-heap; then s4-upload,
 #            upload2, s4-cap; after the review s4-upload, upload2, s4-review.
+# Session 5: s5-upload (part-aa + SHA256SUMS + .whl), upload2 (part-ab), s5-run (part-ac).
 # Phase 1 runs correctness jobs side by side (they share the GPU); phase 2 runs the timed jobs one at a time.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/stage /tmp/site
@@ -106,6 +107,13 @@ if [ "${1:-run}" = s4-upload ]; then  # session 4 (part-aa + SHA256SUMS + .whl):
   rm -f /tmp/uid.bin
   NVSHMEM_INFO=1 timeout 60 mpirun --bind-to none -n 1 python3 tests/gpu/programs/uid_checks.py /tmp/uid.bin --no-reshape >"$OUT/nvshmem-info.log" 2>&1
   grep -E "NVSHMEM_(SYMMETRIC_SIZE|MAX_MEMORY|DISABLE_CUDA_VMM|CUMEM)" -A1 "$OUT/nvshmem-info.log" >>"$S"
+  cat "$S"; exit 0
+fi
+if [ "${1:-run}" = s5-upload ]; then  # session 5 (part-aa + SHA256SUMS + .whl): wheels, CPU-side tests there
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  step "cpu planning tests" 90 "$OUT/upload.log" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_planning_cpu.py tests/unit tests/dask/test_chunks.py
+  step "device-full probe np=1 (no engine check: NVSHMEM alone)" 60 "$OUT/devfull.log" env NVSHMEM_SYMMETRIC_SIZE=4g $MPIRUN1 -n 1 python3 scripts/gpu/probe_device_full.py --leave 6 --sizes 2,3.5,12,1
+  grep -h "^DEVFULL\|cuMemCreate" "$OUT/devfull.log" >>"$S"
   cat "$S"; exit 0
 fi
 if [ ! -e /tmp/site/nvidia/cufftmp/cu13/lib/libcufftMp.so.12 ]; then
@@ -268,6 +276,18 @@ if [ "${1:-run}" = s4-review ]; then  # session 4, after the review (part-ac, af
   failure_tests "$OUT/s4r-failure.log"
   dask_suite 2 150 "$OUT/s4r-dask2.log"
   finish s4r
+fi
+if [ "${1:-run}" = s5-run ]; then  # session 5 (part-ac, after s5-upload and upload2): the device-memory check
+  failure_tests "$OUT/s5-failure.log"  # alone: the full-GPU test fills the GPU
+  ( for np_ in 1 2; do
+      step "gpu_checks np=$np_" 60 "$OUT/s5-engine.log" $MPIRUN -n $np_ python3 tests/gpu/programs/gpu_checks.py
+    done
+    core_suite 2 cupy 12 60 "$OUT/s5-engine.log" ) &
+  dask_suite 2 150 "$OUT/s5-dask2.log" &
+  wait
+  step "rechunk bench, 1 GPU worker" 150 "$OUT/s5-rechunk1.log" python3 benchmarks/bench_rechunk_gpu.py --workers 1 --sizes 512MiB,4GiB,32GiB --tasks-limit 0
+  grep -h "GB/s\|floor" "$OUT/s5-rechunk1.log" >>"$S" 2>/dev/null
+  finish s5
 fi
 if [ "${1:-run}" = s4-run ]; then  # session 4 (after upload, upload2): Dask suites on the final tree, full-heap test
   dask_block s4

@@ -142,6 +142,46 @@ def test_full_heap_fails_the_rechunk_not_the_world():
         assert set(dask_pgas.teardown(client).values()) == {0}
 
 
+def _fill_gpu(dask_worker, leave: int) -> int:
+    """Hold all but ``leave`` bytes of this worker's GPU in a CuPy array (kept on the worker); returns its size."""
+    import cupy
+
+    free, _ = cupy.cuda.runtime.memGetInfo()
+    dask_worker._pgas_test_filler = cupy.empty(max(0, free - leave), dtype=cupy.uint8)
+    return dask_worker._pgas_test_filler.nbytes
+
+
+def _unfill_gpu(dask_worker) -> None:
+    import cupy
+
+    dask_worker.__dict__.pop("_pgas_test_filler", None)
+    cupy.get_default_memory_pool().free_all_blocks()
+
+
+@pytest.mark.skipif(not GPU_WORKERS, reason="needs the NVSHMEM heap of GPU workers")
+def test_full_gpu_fails_the_rechunk_not_the_world():
+    """The heap is far below its cap but the GPU (shared by both workers) has no room for its growth: that rechunk
+    fails with a clear error on every PE before nvshmem_malloc; once the memory is back the same rechunk works."""
+    from distributed import Client
+
+    with dask_pgas.LocalMPICluster(n_workers=2, backends=[BACKEND], gpus=1) as cluster, Client(cluster) as client:
+        small = on_device(da.random.random((300, 300), chunks=(300, 100))).persist()
+        big = on_device(da.random.random((16384, 24576), chunks=(16384, 12288))).persist()  # 1.5 GiB per PE
+        first = dask_pgas.bootstrap(client).workers[0]
+        assert client.run(_fill_gpu, leave=3 << 30, workers=[first])[first] > 0
+        try:
+            with pytest.raises(CollectiveError, match=r"cannot grow.*GPU .* free"):
+                dask_pgas.rechunk(big, (8192, 24576)).compute()
+            assert dask_pgas.world(client).broken is None
+            ref = host(small.compute())
+            np.testing.assert_array_equal(host(dask_pgas.rechunk(small, (100, 300)).compute()), ref)
+        finally:
+            client.run(_unfill_gpu, workers=[first])
+        total = float(big.sum().compute())
+        assert float(dask_pgas.rechunk(big, (8192, 24576)).sum().compute()) == pytest.approx(total, rel=1e-12)
+        assert set(dask_pgas.teardown(client).values()) == {0}
+
+
 @pytest.mark.skipif(bool(GPU_WORKERS), reason="GPU workers outside MPI bootstrap over NVSHMEM (conftest 'local')")
 def test_non_mpi_workers_without_nvshmem_get_a_clear_error():
     """Workers that are not one MPI job (Nanny processes of a LocalCluster) need NVSHMEM's unique-id bring-up;

@@ -291,8 +291,16 @@ class _FakeNV:
 
 
 class _FakeDrv:
+    free = 1 << 40
+
     def ctx_synchronize(self):
         pass
+
+    def mem_get_info(self):
+        return self.free, 1 << 40
+
+    def pci_bus_id(self):
+        return "0000:01:00.0"
 
 
 class _FakeControl(ControlPlane):
@@ -371,6 +379,33 @@ def test_heap_cap_refuses_before_the_collective_malloc(monkeypatch):
     # a fixed heap (no CUDA VMM) is capped by NVSHMEM_SYMMETRIC_SIZE instead (4m in _fake_engine)
     monkeypatch.setenv("NVSHMEM_DISABLE_CUDA_VMM", "1")
     assert NVSHMEMSettings.from_env().heap_limit == (4 << 20) - (256 << 10)
+
+
+def test_device_memory_is_checked_before_the_heap_grows(monkeypatch):
+    """A growing heap maps GPU memory inside nvshmem_malloc: with too little free, the engine first gives the
+    packages' cached blocks back, then refuses without calling nvshmem_malloc (its own pool stays: freed heap
+    memory stays mapped). A fixed heap (no CUDA VMM) was mapped at bring-up and is not checked."""
+    import dask_pgas.engines.nvshmem as nvshmem_engine
+    from dask_pgas.engines.nvshmem import NVSHMEMSettings
+
+    released = []
+    monkeypatch.setattr(nvshmem_engine, "_release_package_caches", lambda: released.append(1))
+    monkeypatch.setenv("NVSHMEM_CUMEM_GRANULARITY", "128k")
+    eng = _fake_engine(monkeypatch, pool_bytes=1 << 20)
+    eng.free(eng.allocate(1000))
+    eng.drv.free = 2000 + (128 << 10) - 1  # one byte short of the block and a granule
+    mallocs = len([c for c in eng.nv.calls if c[0] == "malloc"])
+    with pytest.raises(MemoryError, match=r"GPU 0000:01:00.0 .*PEs \[0\]"):
+        eng.allocate(2000)
+    assert released == [1] and eng.heap_info()["heap_bytes_cached"] == 1000
+    assert len([c for c in eng.nv.calls if c[0] == "malloc"]) == mallocs
+    eng.drv.free += 1
+    eng.free(eng.allocate(2000))
+    monkeypatch.setenv("NVSHMEM_DISABLE_CUDA_VMM", "1")
+    eng.settings, eng.drv.free = NVSHMEMSettings.from_env(), 0
+    eng.free(eng.allocate(3000))
+    assert released == [1]
+    eng._drain_pool()
 
 
 @pytest.mark.parametrize(

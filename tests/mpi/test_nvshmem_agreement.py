@@ -44,6 +44,13 @@ EXPECTED = {
     "plugin: no leak after the failed growth": "none",
     "plugin: heap full when grown buffers must grow again": "_RunError",
     "plugin: no leak after the failed regrowth": "none",
+    "device memory: one rank's GPU is short": "MemoryError",
+    "device memory: healthy after the refused growth": "none",
+    "device memory: PEs sharing a GPU need room for all of them": "MemoryError",
+    "device memory: a shared GPU with room for all": "none",
+    "device memory: short until the package caches are released": "none",
+    "plugin: staging buffers cannot grow, one GPU short": "_RunError",
+    "plugin: no leak after the GPU-short growth": "none",
 }
 
 
@@ -69,6 +76,8 @@ def test_gpu_engine_agrees_before_collectives(nranks):
         "dtype: torch has no such dtype, on every rank": ("malloc",),
         "dtype: torch has no such dtype, on one rank": ("malloc",),
         "plan: a workspace past the heap cap is refused on every rank": ("malloc", "execute"),
+        "device memory: one rank's GPU is short": ("malloc",),
+        "device memory: PEs sharing a GPU need room for all of them": ("malloc",),
     }
     for name, forbidden in never.items():
         assert not [c for c in calls[name] for f in forbidden if c.get(f)], (name, calls[name])

@@ -85,6 +85,14 @@ class FakeNV:
 
 class FakeDriver:
     fail = None  # "h2d" or "d2h": this rank's copies in that direction raise
+    free = 1 << 50  # bytes free on this rank's GPU
+    bus = f"0000:{RANK + 1:02x}:00.0"  # this rank's GPU (one per rank unless a case shares one)
+
+    def mem_get_info(self):
+        return self.free, 1 << 50
+
+    def pci_bus_id(self):
+        return self.bus
 
     def make_current(self, device):
         pass
@@ -173,6 +181,7 @@ def case(name, fn):
     except Exception as exc:
         outcome = {"raised": type(exc).__name__, "message": str(exc)}
     DRV.fail = CF.fail = None
+    DRV.free, DRV.bus = FakeDriver.free, FakeDriver.bus
     cufftmp.load = lambda: CF
     calls = {k: v for k, v in ((NV.calls - before[0]) + (CF.calls - before[1])).items() if v}
     outcome.update(case=name, rank=RANK, calls=calls, initialized=dask_pgas.is_initialized())
@@ -349,8 +358,50 @@ case("view: fails on one rank after the dtype check", view_fails_on_one_rank)
 case("view: no leak after the failed view", no_leak)
 
 
+# -- the heap grows only where every GPU has the memory for it ---------------------------------------------------
+def device_short(free=None, bus=None, released=None, short=True):
+    """A 64-byte symmetric allocation with ``free`` bytes free on the GPU (every rank, or the last one when
+    ``free`` is a dict) and the GPU ``bus`` shared by every rank; ``released``: free bytes once the package caches
+    are given back; ``short``: whether the first look finds a GPU short (then every rank releases its caches once).
+    Still short: every rank raises the same MemoryError before the collective malloc."""
+    import dask_pgas.engines.nvshmem as nvshmem_engine
+
+    release = nvshmem_engine._release_package_caches
+    calls = []
+
+    def fake_release():
+        calls.append(1)
+        if released is not None:
+            DRV.free = released
+
+    ENGINE._drain_pool()  # a pooled 64-byte block would be reused: no growth, no check
+    nvshmem_engine._release_package_caches = fake_release
+    if isinstance(free, dict):
+        DRV.free = free.get(RANK, FakeDriver.free)
+    elif free is not None:
+        DRV.free = free
+    if bus is not None:
+        DRV.bus = bus
+    try:
+        ENGINE.free(ENGINE.allocate(64))
+    finally:
+        nvshmem_engine._release_package_caches = release
+        assert len(calls) == int(short), calls
+
+
+NEED = 64 + ENGINE.settings.granularity  # what growing the heap by 64 bytes asks of a GPU
+case("device memory: one rank's GPU is short", lambda: device_short({LAST: NEED - 1}))
+case("device memory: healthy after the refused growth", healthy)
+case("device memory: PEs sharing a GPU need room for all of them",
+     lambda: device_short(SIZE * NEED - 1, bus="0000:41:00.0"))
+case("device memory: a shared GPU with room for all",
+     lambda: device_short(SIZE * NEED, bus="0000:41:00.0", short=False))
+case("device memory: short until the package caches are released",
+     lambda: device_short({LAST: NEED - 1}, released=NEED))
+
+
 # -- the Dask worker plugin: staging buffers that cannot grow fail that rechunk only, not the world -------------
-def plugin_run(grown_before):
+def plugin_run(grown_before, device=False):
     """One rechunk run on the worker plugin (no Dask: a stand-in worker) whose staging buffers cannot grow because
     the heap is full everywhere: every PE raises the non-fatal run error, the world stays usable, nothing leaks."""
     from dask_pgas.integration._worker_plugin import PGASWorkerPlugin, RunSpec
@@ -367,7 +418,10 @@ def plugin_run(grown_before):
             return RunSpec(tuple(map(col, range(SIZE))), tuple(map(row, range(SIZE))), dtype, "numpy")
         if grown_before:
             plugin._grow_buffers(spec("float32"))  # half the bytes of the run below
-        NV.full = True
+        if device:  # the heap has room but the last rank's GPU has not
+            DRV.free = 1 << 20 if RANK == LAST else FakeDriver.free
+        else:
+            NV.full = True
         big = spec("float64")
         plugin.stage("run", RANK, 0, big, ((tuple(slice(None) for _ in range(2)),) * 2,),
                      (np.zeros(big.input_boxes[RANK].shape),))
@@ -377,9 +431,10 @@ def plugin_run(grown_before):
             assert getattr(exc, "fatal", True) is False, f"a fatal error: {exc!r}"
             assert plugin.broken is None, plugin.broken
             assert "NVSHMEM_MAX_MEMORY_PER_GPU" in str(exc), str(exc)
+            assert not device or f"PEs [{LAST}]" in str(exc), str(exc)
             raise
         finally:
-            NV.full = False
+            NV.full, DRV.free = False, FakeDriver.free
             for kind in sorted(plugin._buffers):  # the plugin's teardown, without finalizing the runtime
                 memory.free_symmetric_memory(plugin._buffers.pop(kind))
             plugin.teardown(worker)
@@ -391,6 +446,8 @@ case("plugin: staging buffers cannot grow, heap full on every PE", lambda: plugi
 case("plugin: no leak after the failed growth", no_leak)
 case("plugin: heap full when grown buffers must grow again", lambda: plugin_run(True))
 case("plugin: no leak after the failed regrowth", no_leak)
+case("plugin: staging buffers cannot grow, one GPU short", lambda: plugin_run(False, device=True))
+case("plugin: no leak after the GPU-short growth", no_leak)
 
 dask_pgas.finalize()
 assert not NV.live, f"symmetric memory leaked: {len(NV.live)} block(s)"
