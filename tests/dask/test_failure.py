@@ -162,11 +162,12 @@ def _unfill_gpu(dask_worker) -> None:
 def test_full_gpu_fails_the_rechunk_not_the_world():
     """The heap is far below its cap but the GPU (shared by both workers) has no room for its growth: that rechunk
     fails with a clear error on every PE before nvshmem_malloc; once the memory is back the same rechunk works."""
-    from distributed import Client
+    from distributed import Client, wait
 
     with dask_pgas.LocalMPICluster(n_workers=2, backends=[BACKEND], gpus=1) as cluster, Client(cluster) as client:
         small = on_device(da.random.random((300, 300), chunks=(300, 100))).persist()
         big = on_device(da.random.random((16384, 24576), chunks=(16384, 12288))).persist()  # 1.5 GiB per PE
+        wait([small, big])  # on the GPU before it is filled
         first = dask_pgas.bootstrap(client).workers[0]
         assert client.run(_fill_gpu, leave=3 << 30, workers=[first])[first] > 0
         try:
