@@ -8,7 +8,7 @@
 #            second block: upload, upload2, s3b-run (part-ac); then s3c-run, s3d-run the same way.
 # Session 4: upload, upload2, s4-run (part-ac); then s4-upload, upload2, s4-heap; then s4-upload,
 #            upload2, s4-cap; after the review s4-upload, upload2, s4-review.
-# Session 5: s5-upload (part-aa + SHA256SUMS + .whl), upload2 (part-ab), s5-run (part-ac).
+# Session 5: s5-upload (part-aa + SHA256SUMS + .whl), upload2 (part-ab), s5-run (part-ac); the same with s5-fail.
 # Phase 1 runs correctness jobs side by side (they share the GPU); phase 2 runs the timed jobs one at a time.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/stage /tmp/site
@@ -286,6 +286,14 @@ if [ "${1:-run}" = s5-run ]; then  # session 5 (part-ac, after s5-upload and upl
   step "rechunk bench, 1 GPU worker" 150 "$OUT/s5-rechunk1.log" python3 benchmarks/bench_rechunk_gpu.py --workers 1 --sizes 512MiB,4GiB,32GiB --tasks-limit 0
   grep -h "GB/s\|floor" "$OUT/s5-rechunk1.log" >>"$S" 2>/dev/null
   finish s5
+fi
+if [ "${1:-run}" = s5-fail ]; then  # session 5, again (part-ac): the failure tests, then 1 and 4 GPU workers
+  failure_tests "$OUT/s5f-failure.log"
+  for k in 1 4; do
+    dask_suite $k 150 "$OUT/s5f-dask$k.log" &
+  done
+  wait
+  finish s5f
 fi
 if [ "${1:-run}" = s4-run ]; then  # session 4 (after upload, upload2): Dask suites on the final tree, full-heap test
   dask_block s4
