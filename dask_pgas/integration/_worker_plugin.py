@@ -531,8 +531,16 @@ class PGASWorkerPlugin(WorkerPlugin):
         t1 = time.perf_counter()
         plan.execute(src, dst)
         self.last_timings = {"prepare": t1 - t0, "execute": time.perf_counter() - t1, "ended_at": time.time()}
-        # -- results live in ordinary (non-symmetric) arrays, so the buffers are free for the next run
-        result = dst.copy() if buffers else dst
+        # -- results live in ordinary (non-symmetric) arrays, so the buffers are free for the next run. The
+        # collective has ended on every PE: a failure of this local copy (no GPU memory left for the result)
+        # fails this PE's part of the rechunk, not the world.
+        try:
+            result = dst.copy() if buffers else dst
+        except Exception as exc:
+            raise _RunError(
+                f"the result could not be copied out of the symmetric buffer ({type(exc).__name__}: {exc}); free "
+                "device memory or rechunk less at once"
+            ) from exc
         self.runs += 1
         dt = time.perf_counter() - t0
         self.collective_seconds += dt

@@ -146,6 +146,7 @@ def _fill_gpu(dask_worker, leave: int) -> int:
     """Hold all but ``leave`` bytes of this worker's GPU in a CuPy array (kept on the worker); returns its size."""
     import cupy
 
+    cupy.get_default_memory_pool().free_all_blocks()  # blocks cached by earlier results would be reused
     free, _ = cupy.cuda.runtime.memGetInfo()
     dask_worker._pgas_test_filler = cupy.empty(max(0, free - leave), dtype=cupy.uint8)
     return dask_worker._pgas_test_filler.nbytes
@@ -161,7 +162,9 @@ def _unfill_gpu(dask_worker) -> None:
 @pytest.mark.skipif(not GPU_WORKERS, reason="needs the NVSHMEM heap of GPU workers")
 def test_full_gpu_fails_the_rechunk_not_the_world():
     """The heap is far below its cap but the GPU (shared by both workers) has no room for its growth: that rechunk
-    fails with a clear error on every PE before nvshmem_malloc; once the memory is back the same rechunk works."""
+    fails with a clear error on every PE before nvshmem_malloc; once the memory is back the same rechunk works.
+    With the staging buffers grown, a GPU without room for the results fails the rechunk after the collective,
+    again without breaking the world."""
     from distributed import Client, wait
 
     with dask_pgas.LocalMPICluster(n_workers=2, backends=[BACKEND], gpus=1) as cluster, Client(cluster) as client:
@@ -179,6 +182,15 @@ def test_full_gpu_fails_the_rechunk_not_the_world():
         finally:
             client.run(_unfill_gpu, workers=[first])
         total = float(big.sum().compute())
+        assert float(dask_pgas.rechunk(big, (8192, 24576)).sum().compute()) == pytest.approx(total, rel=1e-12)
+        # the buffers have grown: no allocation on the heap, but 1.5 GiB of result per PE does not fit in 1 GiB
+        assert client.run(_fill_gpu, leave=1 << 30, workers=[first])[first] > 0
+        try:
+            with pytest.raises(CollectiveError, match="could not be copied out"):
+                dask_pgas.rechunk(big, (8192, 24576)).sum().compute()
+            assert dask_pgas.world(client).broken is None
+        finally:
+            client.run(_unfill_gpu, workers=[first])
         assert float(dask_pgas.rechunk(big, (8192, 24576)).sum().compute()) == pytest.approx(total, rel=1e-12)
         assert set(dask_pgas.teardown(client).values()) == {0}
 

@@ -10,6 +10,7 @@ runs only the cases whose name contains it. Needs >= 2 ranks.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import dataclasses
 import importlib.machinery
@@ -401,45 +402,95 @@ case("device memory: short until the package caches are released",
 
 
 # -- the Dask worker plugin: staging buffers that cannot grow fail that rechunk only, not the world -------------
-def plugin_run(grown_before, device=False):
-    """One rechunk run on the worker plugin (no Dask: a stand-in worker) whose staging buffers cannot grow because
-    the heap is full everywhere: every PE raises the non-fatal run error, the world stays usable, nothing leaks."""
-    from dask_pgas.integration._worker_plugin import PGASWorkerPlugin, RunSpec
+@contextlib.contextmanager
+def stand_in_plugin(as_array=None):
+    """The worker plugin of this rank on a stand-in worker (no Dask), its buffers host arrays of the fake heap;
+    its plans and buffers are freed collectively on the way out (the plugin's teardown, without finalizing the
+    runtime)."""
+    from dask_pgas.integration._worker_plugin import PGASWorkerPlugin
 
     worker = types.SimpleNamespace(name=f"w{RANK}", address=f"fake://{RANK}", handlers={}, stream_handlers={})
     plugin = PGASWorkerPlugin()
     plugin.setup(worker)
     plugin.pe, plugin.epoch, plugin.npes = RANK, 0, SIZE
-    ENGINE._drain_pool()  # blocks kept from earlier cases would let the growth succeed without a malloc
+    ENGINE._drain_pool()  # blocks kept from earlier cases would let a growth succeed without a malloc
     ENGINE.check_dtype = lambda dtype, package: None  # no CuPy here: the buffers are host arrays of the fake heap
-    ENGINE.as_array = lambda allocation, shape, dtype, package, order="C": np.zeros(shape, dtype)
+    ENGINE.as_array = as_array or (lambda allocation, shape, dtype, package, order="C": np.zeros(shape, dtype))
     try:
-        def spec(dtype):
-            return RunSpec(tuple(map(col, range(SIZE))), tuple(map(row, range(SIZE))), dtype, "numpy")
+        yield plugin
+    finally:
+        NV.full, DRV.free = False, FakeDriver.free
+        for plan in plugin._plans.values():  # a run that executed cached its plan (with its host staging)
+            plan.free()
+        plugin._plans.clear()
+        for kind in sorted(plugin._buffers):
+            memory.free_symmetric_memory(plugin._buffers.pop(kind))
+        plugin.teardown(worker)
+        del ENGINE.check_dtype, ENGINE.as_array
+
+
+def run_spec(dtype):
+    from dask_pgas.integration._worker_plugin import RunSpec
+
+    return RunSpec(tuple(map(col, range(SIZE))), tuple(map(row, range(SIZE))), dtype, "numpy")
+
+
+def stage_and_run(plugin, spec):
+    plugin.stage("run", RANK, 0, spec, ((tuple(slice(None) for _ in range(2)),) * 2,),
+                 (np.zeros(spec.input_boxes[RANK].shape),))
+    return plugin._run("run")
+
+
+def plugin_run(grown_before, device=False):
+    """One rechunk run on the worker plugin whose staging buffers cannot grow because the heap is full everywhere
+    (or one rank's GPU is short): every PE raises the non-fatal run error, the world stays usable, nothing leaks."""
+    with stand_in_plugin() as plugin:
         if grown_before:
-            plugin._grow_buffers(spec("float32"))  # half the bytes of the run below
+            plugin._grow_buffers(run_spec("float32"))  # half the bytes of the run below
         if device:  # the heap has room but the last rank's GPU has not
             DRV.free = 1 << 20 if RANK == LAST else FakeDriver.free
         else:
             NV.full = True
-        big = spec("float64")
-        plugin.stage("run", RANK, 0, big, ((tuple(slice(None) for _ in range(2)),) * 2,),
-                     (np.zeros(big.input_boxes[RANK].shape),))
         try:
-            plugin._run("run")
+            stage_and_run(plugin, run_spec("float64"))
         except Exception as exc:
             assert getattr(exc, "fatal", True) is False, f"a fatal error: {exc!r}"
             assert plugin.broken is None, plugin.broken
             assert "NVSHMEM_MAX_MEMORY_PER_GPU" in str(exc), str(exc)
             assert not device or f"PEs [{LAST}]" in str(exc), str(exc)
             raise
+
+
+class _NoCopy(np.ndarray):
+    """A staging buffer whose copies fail while ``failing`` (the result's device memory is gone)."""
+
+    failing = False
+
+    def copy(self, *args, **kwargs):
+        if _NoCopy.failing:
+            raise MemoryError("out of memory copying the result (fake)")
+        return np.asarray(self).copy(*args, **kwargs)
+
+
+def copy_out_fails_on_one_rank():
+    """The collective ends everywhere, then copying the result out of the staging buffer fails on the last rank
+    only: that rank's run fails with the non-fatal run error, the others have their result, and the next run of
+    every rank is healthy (nobody is left inside a collective)."""
+    with stand_in_plugin(lambda allocation, shape, dtype, package, order="C": np.zeros(shape, dtype).view(_NoCopy)
+                         ) as plugin:
+        spec = run_spec("float64")
+        _NoCopy.failing = RANK == LAST
+        try:
+            stage_and_run(plugin, spec)
+            assert RANK != LAST, "the failed copy raised nothing"
+        except Exception as exc:
+            assert RANK == LAST, f"rank {RANK} raised {exc!r}"
+            assert getattr(exc, "fatal", True) is False and "could not be copied" in str(exc), repr(exc)
+            assert plugin.broken is None, plugin.broken
         finally:
-            NV.full, DRV.free = False, FakeDriver.free
-            for kind in sorted(plugin._buffers):  # the plugin's teardown, without finalizing the runtime
-                memory.free_symmetric_memory(plugin._buffers.pop(kind))
-            plugin.teardown(worker)
-    finally:
-        del ENGINE.check_dtype, ENGINE.as_array
+            _NoCopy.failing = False
+        _, result = stage_and_run(plugin, spec)
+        assert type(result) is np.ndarray and result.shape == row().shape, (type(result), result.shape)
 
 
 case("plugin: staging buffers cannot grow, heap full on every PE", lambda: plugin_run(False))
@@ -448,6 +499,8 @@ case("plugin: heap full when grown buffers must grow again", lambda: plugin_run(
 case("plugin: no leak after the failed regrowth", no_leak)
 case("plugin: staging buffers cannot grow, one GPU short", lambda: plugin_run(False, device=True))
 case("plugin: no leak after the GPU-short growth", no_leak)
+case("plugin: copying the result out fails on one PE", copy_out_fails_on_one_rank)
+case("plugin: no leak after the failed copy", no_leak)
 
 dask_pgas.finalize()
 assert not NV.live, f"symmetric memory leaked: {len(NV.live)} block(s)"
