@@ -56,7 +56,7 @@ dask_suite() {
 # failure_tests LOG: tests/dask/test_failure.py with 3 GPU workers (the kill test; the full-heap test makes 2)
 failure_tests() {
   step "dask failure tests, 3 GPU workers (kill) and 2 (full heap)" 200 "$1" \
-    env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -p no:cacheprovider tests/dask/test_failure.py
+    env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -rA -p no:cacheprovider tests/dask/test_failure.py
 }
 # dask_block PREFIX: the Dask suite on 2 and 4 GPU workers and on 2 outside MPI side by side, then failure_tests
 dask_block() {
@@ -210,7 +210,7 @@ if [ "${1:-run}" = s3-run ]; then  # session 3, call 3 (part-ac): correctness si
 fi
 if [ "${1:-run}" = s3-large ]; then  # session 3, call 4: one worker at large sizes, the failure test, the demo
   step "rechunk bench, 1 GPU worker, large" 300 "$OUT/rechunk1-large.log" python3 benchmarks/bench_rechunk_gpu.py --workers 1 --sizes 32GiB,48GiB,56GiB --tasks-limit 0 --repeats 5
-  step "dask failure test, 3 GPU workers" 150 "$OUT/s3-failure.log" env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -p no:cacheprovider tests/dask/test_failure.py
+  step "dask failure test, 3 GPU workers" 150 "$OUT/s3-failure.log" env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -rA -p no:cacheprovider tests/dask/test_failure.py
   step "demo (main job), 1 GPU worker, 1GiB" 100 "$OUT/demo.log" python3 -m dask_pgas.cli demo --repeats 3
   grep -h "GB/s\|floor" "$OUT/rechunk1-large.log" >>"$S" 2>/dev/null
   grep -h "passed\|failed" "$OUT/s3-failure.log" >>"$S" 2>/dev/null
@@ -315,7 +315,7 @@ if [ "${1:-run}" = part2 ]; then  # Dask on 1/4 GPU workers, 2-worker rechunk be
     step "MPS bench np=$np_" 50 "$OUT/mps-bench.log" $MPIRUN -n $np_ python3 benchmarks/bench_gpu_reshape.py
   done
   mps_stop
-  step "dask failure test, 3 GPU workers" 150 "$OUT/p2-failure.log" env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -p no:cacheprovider tests/dask/test_failure.py
+  step "dask failure test, 3 GPU workers" 150 "$OUT/p2-failure.log" env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -rA -p no:cacheprovider tests/dask/test_failure.py
   grep -h "^BENCH" "$OUT/mps-bench.log" >>"$S" 2>/dev/null
   grep -h "passed\|failed" "$OUT"/p2-*.log >>"$S" 2>/dev/null
   echo "elapsed $(( $(date +%s) - START ))s" >>"$S"; cat "$S"; exit 0
