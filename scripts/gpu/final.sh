@@ -8,7 +8,8 @@
 #            second block: upload, upload2, s3b-run (part-ac); then s3c-run, s3d-run the same way.
 # Session 4: upload, upload2, s4-run (part-ac); then s4-upload, upload2, s4-heap; then s4-upload,
 #            upload2, s4-cap; after the review s4-upload, upload2, s4-review.
-# Session 5: s5-upload (part-aa + SHA256SUMS + .whl), upload2 (part-ab), s5-run (part-ac); the same with s5-fail.
+# Session 5: s5-upload (part-aa + SHA256SUMS + .whl), upload2 (part-ab), s5-run (part-ac); the same with s5-fail
+#            and s5-mps.
 # Phase 1 runs correctness jobs side by side (they share the GPU); phase 2 runs the timed jobs one at a time.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/stage /tmp/site
@@ -294,6 +295,18 @@ if [ "${1:-run}" = s5-fail ]; then  # session 5, again (part-ac): the failure te
   done
   wait
   finish s5f
+fi
+if [ "${1:-run}" = s5-mps ]; then  # session 5 (part-ac): the engine and the Dask suite under MPS again
+  mps_start
+  export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50
+  step "gpu_checks np=2 (MPS)" 60 "$OUT/s5m-engine.log" $MPIRUN -n 2 python3 tests/gpu/programs/gpu_checks.py
+  core_suite 2 cupy 12 60 "$OUT/s5m-engine.log"
+  dask_suite 2 150 "$OUT/s5m-dask2.log"
+  export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25
+  step "gpu_checks np=4 (MPS)" 60 "$OUT/s5m-engine.log" $MPIRUN -n 4 python3 tests/gpu/programs/gpu_checks.py
+  dask_suite 4 150 "$OUT/s5m-dask4.log"
+  mps_stop
+  finish s5m
 fi
 if [ "${1:-run}" = s4-run ]; then  # session 4 (after upload, upload2): Dask suites on the final tree, full-heap test
   dask_block s4
