@@ -539,12 +539,15 @@ class NVSHMEMEngine(Engine):
             devices: dict[tuple, list[int]] = {}
             for pe, (host, bus, _, _) in enumerate(everyone):
                 devices.setdefault((host, bus), []).append(pe)
-            short = [(key, pes, min(everyone[pe][2] for pe in pes)) for key, pes in devices.items()
-                     if min(everyone[pe][2] for pe in pes) < need * len(pes)]
+            free_by = {key: min(everyone[pe][2] for pe in pes) for key, pes in devices.items()}
+            short = [(key, pes, free_by[key]) for key, pes in devices.items() if free_by[key] < need * len(pes)]
             if not short:
                 return
             if attempt == 0:  # the same decision on every PE: all release, then all look again
-                _release_package_caches()
+                try:
+                    _release_package_caches()
+                except Exception:  # best effort: a PE that raised here would miss the next allgather
+                    pass
         from dask.utils import format_bytes
 
         (host, bus), pes, free = short[0]

@@ -360,10 +360,11 @@ case("view: no leak after the failed view", no_leak)
 
 
 # -- the heap grows only where every GPU has the memory for it ---------------------------------------------------
-def device_short(free=None, bus=None, released=None, short=True):
+def device_short(free=None, bus=None, released=None, short=True, release_fails=False):
     """A 64-byte symmetric allocation with ``free`` bytes free on the GPU (every rank, or the last one when
     ``free`` is a dict) and the GPU ``bus`` shared by every rank; ``released``: free bytes once the package caches
-    are given back; ``short``: whether the first look finds a GPU short (then every rank releases its caches once).
+    are given back; ``short``: whether the first look finds a GPU short (then every rank releases its caches once);
+    ``release_fails``: releasing them raises on the last rank (which must still look again with the others).
     Still short: every rank raises the same MemoryError before the collective malloc."""
     import dask_pgas.engines.nvshmem as nvshmem_engine
 
@@ -374,6 +375,8 @@ def device_short(free=None, bus=None, released=None, short=True):
         calls.append(1)
         if released is not None:
             DRV.free = released
+        if release_fails and RANK == LAST:
+            raise RuntimeError("cannot release the package caches (fake)")
 
     ENGINE._drain_pool()  # a pooled 64-byte block would be reused: no growth, no check
     nvshmem_engine._release_package_caches = fake_release
@@ -399,6 +402,8 @@ case("device memory: a shared GPU with room for all",
      lambda: device_short(SIZE * NEED, bus="0000:41:00.0", short=False))
 case("device memory: short until the package caches are released",
      lambda: device_short({LAST: NEED - 1}, released=NEED))
+case("device memory: releasing the caches fails on one rank",
+     lambda: device_short({LAST: NEED - 1}, released=NEED, release_fails=True))
 
 
 # -- the Dask worker plugin: staging buffers that cannot grow fail that rechunk only, not the world -------------
