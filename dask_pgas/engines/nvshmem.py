@@ -739,8 +739,8 @@ class NVSHMEMReshapePlan(ReshapePlan):
             if ws:
                 try:
                     self._workspace = engine.allocate(ws)
-                except MemoryError:  # refused on every PE alike (the heap cap), before the collective malloc
-                    self.free()
+                except (MemoryError, CollectiveError):  # refused on every PE alike (heap cap, GPU memory, an
+                    self.free()                           # unreadable free size) before the collective malloc
                     raise
 
     def _create_cufftmp(self) -> None:
