@@ -129,24 +129,18 @@ class NVSHMEMSettings:
     def from_env(cls, environ: Mapping[str, str | None] | None = None) -> NVSHMEMSettings:
         env = os.environ if environ is None else environ
         pool = env.get("DASK_PGAS_NVSHMEM_POOL_BYTES")
+        static = (env.get("NVSHMEM_DISABLE_CUDA_VMM") or "").strip().lower() in ("1", "true", "yes", "y", "on")
+        cap = (parse_size(env.get("NVSHMEM_SYMMETRIC_SIZE")) if static
+               else parse_size(env.get("NVSHMEM_MAX_MEMORY_PER_GPU"), 128 << 30))
+        granularity = parse_size(env.get("NVSHMEM_CUMEM_GRANULARITY"), 512 << 20)
         return cls(
             force_peer=env.get("DASK_PGAS_NVSHMEM_RESHAPE") == "peer",
             empty_via_peer=env.get("DASK_PGAS_EMPTY_VIA_PEER") == "1",
             pool_limit=parse_size(env.get("NVSHMEM_SYMMETRIC_SIZE")) // 4 if not pool else parse_size(pool),
-            heap_limit=cls._heap_limit(env),
-            heap_grows=not cls._static_heap(env),
-            granularity=parse_size(env.get("NVSHMEM_CUMEM_GRANULARITY"), 512 << 20),
+            heap_limit=cap - 2 * granularity,
+            heap_grows=not static,
+            granularity=granularity,
         )
-
-    @staticmethod
-    def _static_heap(env: Mapping[str, str | None]) -> bool:
-        return (env.get("NVSHMEM_DISABLE_CUDA_VMM") or "").strip().lower() in ("1", "true", "yes", "y", "on")
-
-    @classmethod
-    def _heap_limit(cls, env: Mapping[str, str | None]) -> int:
-        cap = (parse_size(env.get("NVSHMEM_SYMMETRIC_SIZE")) if cls._static_heap(env)
-               else parse_size(env.get("NVSHMEM_MAX_MEMORY_PER_GPU"), 128 << 30))
-        return cap - 2 * parse_size(env.get("NVSHMEM_CUMEM_GRANULARITY"), 512 << 20)
 
     @classmethod
     def agreed(cls, control: ControlPlane, environ: Mapping[str, str] | None = None, *,
