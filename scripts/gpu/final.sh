@@ -10,6 +10,8 @@
 #            upload2, s4-cap; after the review s4-upload, upload2, s4-review.
 # Session 5: s5-upload (part-aa + SHA256SUMS + .whl), upload2 (part-ab), s5-run (part-ac); the same with s5-fail
 #            and s5-mps.
+# Session 6: s5-upload, upload2, s6-run (part-ac: MPS block, review commits); then s6-more (nothing carried:
+#            the notebook on 1 and 2 GPU workers, the failure tests, 1 GPU worker).
 # Phase 1 runs correctness jobs side by side (they share the GPU); phase 2 runs the timed jobs one at a time.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/stage /tmp/site
@@ -307,6 +309,29 @@ if [ "${1:-run}" = s5-mps ]; then  # session 5 (part-ac): the engine and the Das
   dask_suite 4 150 "$OUT/s5m-dask4.log"
   mps_stop
   finish s5m
+fi
+if [ "${1:-run}" = s6-run ]; then  # session 6 (part-ac): MPS at 2 and 4 PEs; session 5's review commits
+  mps_start
+  export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50
+  step "gpu_checks np=2 (MPS)" 60 "$OUT/s6m-engine.log" $MPIRUN -n 2 python3 tests/gpu/programs/gpu_checks.py
+  core_suite 2 cupy 12 60 "$OUT/s6m-engine.log"
+  dask_suite 2 150 "$OUT/s6m-dask2.log"
+  export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25
+  step "gpu_checks np=4 (MPS)" 60 "$OUT/s6m-engine.log" $MPIRUN -n 4 python3 tests/gpu/programs/gpu_checks.py
+  dask_suite 4 150 "$OUT/s6m-dask4.log"
+  mps_stop
+  finish s6m
+fi
+if [ "${1:-run}" = s6-more ]; then  # session 6 (machine still warm): the notebook on GPU workers, failures, 1 PE
+  for k in 1 2; do
+    step "notebook, $k GPU worker(s), 1 GiB" 120 "$OUT/s6-notebook$k.log" \
+      env DASK_PGAS_NOTEBOOK_WORKERS=$k DASK_PGAS_NOTEBOOK_SIZE=1GiB python3 scripts/gpu/run_notebook.py notebooks/01_pgas_rechunk.ipynb
+    grep -h "GB/s\|checked\|PE \|Error" "$OUT/s6-notebook$k.log" >>"$S" 2>/dev/null
+  done
+  step "gpu_checks np=1" 60 "$OUT/s6-engine.log" $MPIRUN -n 1 python3 tests/gpu/programs/gpu_checks.py
+  failure_tests "$OUT/s6-failure.log"
+  dask_suite 1 150 "$OUT/s6-dask1.log"
+  finish s6
 fi
 if [ "${1:-run}" = s4-run ]; then  # session 4 (after upload, upload2): Dask suites on the final tree, full-heap test
   dask_block s4
