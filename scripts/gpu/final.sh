@@ -11,7 +11,7 @@
 # Session 5: s5-upload (part-aa + SHA256SUMS + .whl), upload2 (part-ab), s5-run (part-ac); the same with s5-fail
 #            and s5-mps.
 # Session 6: s5-upload, upload2, s6-run (part-ac: MPS block, review commits); then s6-more (nothing carried:
-#            the notebook on 1 and 2 GPU workers, the failure tests, 1 GPU worker).
+#            the notebook on 1 and 2 GPU workers, the failure tests, 1 GPU worker); s5-upload, upload2, s6-nb.
 # Phase 1 runs correctness jobs side by side (they share the GPU); phase 2 runs the timed jobs one at a time.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/stage /tmp/site
@@ -332,6 +332,14 @@ if [ "${1:-run}" = s6-more ]; then  # session 6 (machine still warm): the notebo
   failure_tests "$OUT/s6-failure.log"
   dask_suite 1 150 "$OUT/s6-dask1.log"
   finish s6
+fi
+if [ "${1:-run}" = s6-nb ]; then  # session 6 (part-ac): the notebook as committed (warm timings) on 1, 2, 4 workers
+  for k in 1 2 4; do
+    step "notebook, $k GPU worker(s), 1 GiB" 150 "$OUT/s6n-notebook$k.log" \
+      env DASK_PGAS_NOTEBOOK_WORKERS=$k DASK_PGAS_NOTEBOOK_SIZE=1GiB python3 scripts/gpu/run_notebook.py notebooks/01_pgas_rechunk.ipynb
+    grep -h "GB/s\|checked\|PE \|Error" "$OUT/s6n-notebook$k.log" >>"$S" 2>/dev/null
+  done
+  finish s6n
 fi
 if [ "${1:-run}" = s4-run ]; then  # session 4 (after upload, upload2): Dask suites on the final tree, full-heap test
   dask_block s4
