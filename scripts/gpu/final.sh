@@ -298,29 +298,18 @@ if [ "${1:-run}" = s5-fail ]; then  # session 5, again (part-ac): the failure te
   wait
   finish s5f
 fi
-if [ "${1:-run}" = s5-mps ]; then  # session 5 (part-ac): the engine and the Dask suite under MPS again
+if [ "${1:-run}" = s5-mps ] || [ "${1:-run}" = s6-run ]; then  # (part-ac) the engine and the Dask suite under MPS
+  P=${1%-*}m  # log prefix: s5m or s6m
   mps_start
   export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50
-  step "gpu_checks np=2 (MPS)" 60 "$OUT/s5m-engine.log" $MPIRUN -n 2 python3 tests/gpu/programs/gpu_checks.py
-  core_suite 2 cupy 12 60 "$OUT/s5m-engine.log"
-  dask_suite 2 150 "$OUT/s5m-dask2.log"
+  step "gpu_checks np=2 (MPS)" 60 "$OUT/$P-engine.log" $MPIRUN -n 2 python3 tests/gpu/programs/gpu_checks.py
+  core_suite 2 cupy 12 60 "$OUT/$P-engine.log"
+  dask_suite 2 150 "$OUT/$P-dask2.log"
   export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25
-  step "gpu_checks np=4 (MPS)" 60 "$OUT/s5m-engine.log" $MPIRUN -n 4 python3 tests/gpu/programs/gpu_checks.py
-  dask_suite 4 150 "$OUT/s5m-dask4.log"
+  step "gpu_checks np=4 (MPS)" 60 "$OUT/$P-engine.log" $MPIRUN -n 4 python3 tests/gpu/programs/gpu_checks.py
+  dask_suite 4 150 "$OUT/$P-dask4.log"
   mps_stop
-  finish s5m
-fi
-if [ "${1:-run}" = s6-run ]; then  # session 6 (part-ac): MPS at 2 and 4 PEs; session 5's review commits
-  mps_start
-  export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50
-  step "gpu_checks np=2 (MPS)" 60 "$OUT/s6m-engine.log" $MPIRUN -n 2 python3 tests/gpu/programs/gpu_checks.py
-  core_suite 2 cupy 12 60 "$OUT/s6m-engine.log"
-  dask_suite 2 150 "$OUT/s6m-dask2.log"
-  export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25
-  step "gpu_checks np=4 (MPS)" 60 "$OUT/s6m-engine.log" $MPIRUN -n 4 python3 tests/gpu/programs/gpu_checks.py
-  dask_suite 4 150 "$OUT/s6m-dask4.log"
-  mps_stop
-  finish s6m
+  finish $P
 fi
 if [ "${1:-run}" = s6-more ]; then  # session 6 (machine still warm): the notebook on GPU workers, failures, 1 PE
   for k in 1 2; do
