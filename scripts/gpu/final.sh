@@ -328,6 +328,8 @@ if [ "${1:-run}" = s6-nb ]; then  # session 6 (part-ac): the notebook as committ
       env DASK_PGAS_NOTEBOOK_WORKERS=$k DASK_PGAS_NOTEBOOK_SIZE=1GiB python3 scripts/gpu/run_notebook.py notebooks/01_pgas_rechunk.ipynb
     grep -h "GB/s\|checked\|PE \|Error" "$OUT/s6n-notebook$k.log" >>"$S" 2>/dev/null
   done
+  step "main job (dask-pgas demo, embedded default: one worker per GPU)" 120 "$OUT/s6n-demo.log" python3 -m dask_pgas.cli demo
+  grep -h "GB/s\|pgas vs\|copy\|WRONG" "$OUT/s6n-demo.log" >>"$S" 2>/dev/null
   finish s6n
 fi
 if [ "${1:-run}" = s4-run ]; then  # session 4 (after upload, upload2): Dask suites on the final tree, full-heap test
