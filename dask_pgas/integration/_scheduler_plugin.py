@@ -317,6 +317,10 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                     remaining_tasks.discard(t)
                     try:
                         r = t.result()
+                    except OSError as exc:  # CommClosedError: the worker died (its removal may come later)
+                        message = (f"{name}: worker {tasks[t]} (PE {self.world.index(tasks[t])}) left the PGAS "
+                                   f"world: its connection closed during the collective ({exc!r})")
+                        break
                     except Exception as exc:
                         message = f"{name}: worker {tasks[t]} failed during the collective: {exc!r}"
                         break
