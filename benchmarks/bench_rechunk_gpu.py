@@ -10,7 +10,7 @@ and persisted, rechunked to row slabs and back; each time is ``rechunk(...).pers
 * ``pgas``: ``dask_pgas.rechunk`` as configured (one worker: a local plan, no collective);
 * ``pgas-collective``: the same with ``pgas.local-rechunk: False`` (through the engine's staging buffers and
   plan; skipped where the staging would not fit in ``--heap-limit``);
-* ``tasks``: Dask's own rechunk (sizes up to ``--tasks-limit``);
+* ``tasks`` and ``p2p``: Dask's own rechunks (sizes up to ``--tasks-limit``);
 * ``dask-floor``: ``x.map_blocks(identity)`` persisted on the same chunks with its tasks restricted to the
   workers like pgas's pinned tasks (Dask's fixed cost, no data moved); ``dask-floor-queued``: the same without
   the restriction (Dask then queues them, two per worker thread at a time);
@@ -92,7 +92,7 @@ def one_size(client, nbytes: int, workers: int, args) -> dict:
     if 2 * size / workers * 1.3 <= dask.utils.parse_bytes(args.heap_limit):
         methods.append(("pgas-collective", {"pgas.local-rechunk": False}))
     if size <= dask.utils.parse_bytes(args.tasks_limit):
-        methods.append(("tasks", {}))
+        methods += [("tasks", {}), ("p2p", {})]
     x_keys = _keys(x)
     for label, cfg in methods:
         method = "pgas" if label.startswith("pgas") else label
@@ -123,7 +123,7 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--sizes", default="512MiB,4GiB,16GiB")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--tasks-limit", default="4GiB", help="largest size also run with Dask tasks")
+    ap.add_argument("--tasks-limit", default="4GiB", help="largest size also run with Dask tasks and p2p")
     ap.add_argument("--heap-limit", default="8GiB", help="NVSHMEM heap per worker (pgas-collective rows)")
     args = ap.parse_args()
 
@@ -146,7 +146,7 @@ def main() -> int:
             for label in ("dask-floor", "dask-floor-queued"):
                 floor = row[f"{label}_s"]
                 print(f"{'':>10} {label:<17} {'':>11} {'':>12} {'':>14}   ({floor * 1e3:.1f} ms, no data moved)")
-            for label in ("pgas", "pgas-collective", "tasks"):
+            for label in ("pgas", "pgas-collective", "tasks", "p2p"):
                 if f"{label}_error" in row:
                     print(f"{'':>10} {label:<16} {row[label + '_error']}")
                     continue

@@ -330,7 +330,14 @@ if [ "${1:-run}" = s6-nb ]; then  # session 6 (part-ac): the notebook as committ
   done
   step "main job (dask-pgas demo, embedded default: one worker per GPU)" 120 "$OUT/s6n-demo.log" python3 -m dask_pgas.cli demo
   grep -h "GB/s\|pgas vs\|copy\|WRONG" "$OUT/s6n-demo.log" >>"$S" 2>/dev/null
+  failure_tests "$OUT/s6n-failure.log"
   finish s6n
+fi
+if [ "${1:-run}" = s6-peers ]; then  # session 6 (part-ac): pgas beside tasks and p2p on 2 and 4 GPU workers
+  step "rechunk bench, 2 GPU workers" 200 "$OUT/s6p-rechunk2.log" python3 benchmarks/bench_rechunk_gpu.py --workers 2 --sizes 1GiB,4GiB --repeats 3
+  step "rechunk bench, 4 GPU workers" 150 "$OUT/s6p-rechunk4.log" python3 benchmarks/bench_rechunk_gpu.py --workers 4 --sizes 1GiB --repeats 3
+  grep -h "GB/s\|floor\|Error\|worker" "$OUT"/s6p-rechunk*.log >>"$S" 2>/dev/null
+  finish s6p
 fi
 if [ "${1:-run}" = s4-run ]; then  # session 4 (after upload, upload2): Dask suites on the final tree, full-heap test
   dask_block s4
