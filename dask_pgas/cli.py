@@ -43,9 +43,9 @@ def timed_persist(client, make, repeats: int, *, device_sync: bool = False, warm
     """Median seconds of ``make().persist()`` + ``wait`` end to end (graph construction included), and the last
     result. ``device_sync`` also waits for every worker's GPU (CuPy tasks return before their kernels finish).
     ``workers`` restricts the tasks to those workers (restricted tasks skip the scheduler's queue, as pinned
-    pgas tasks do)."""
+    pgas tasks do). A task that fails raises here: a failed method is never timed."""
     from dask.core import flatten
-    from distributed import wait
+    from distributed import futures_of, wait
 
     times, result = [], None
     for i in range(repeats + int(warmup)):
@@ -55,7 +55,10 @@ def timed_persist(client, make, repeats: int, *, device_sync: bool = False, warm
             wait_forgotten(client, keys)
         t0 = time.perf_counter()
         result = make().persist() if workers is None else client.persist(make(), workers=workers)
-        wait(result)
+        wait(result)  # returns for erred futures too: a failed method must not be timed as a result
+        erred = [f for f in futures_of(result) if f.status == "error"]  # (no reference outlives the check)
+        if erred:
+            erred[0].result()  # raises the task's exception
         if device_sync:
             client.run(_sync_device)
         if i or not warmup:

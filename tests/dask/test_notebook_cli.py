@@ -40,3 +40,23 @@ def test_demo_main_job():
     assert "pgas" in out.stdout and "WRONG" not in out.stdout
     assert out.stdout.count("OK") >= 3  # pgas, tasks and p2p results checked
     assert "Traceback" not in out.stderr
+
+
+def _fail(block):
+    raise RuntimeError("this method failed on a worker")
+
+
+def test_timer_raises_for_a_failed_method():
+    """``wait`` returns for erred futures too: the demo's and the notebook's timer must raise, not report a
+    rate for a method that failed (seen with Dask p2p on CuPy chunks)."""
+    import dask.array as da
+    from distributed import Client, LocalCluster
+
+    from dask_pgas.cli import timed_persist
+
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
+        x = da.ones((4, 4), chunks=2)
+        seconds, _ = timed_persist(client, lambda: x + 1, 1)
+        assert seconds > 0
+        with pytest.raises(RuntimeError, match="this method failed"):
+            timed_persist(client, lambda: x.map_blocks(_fail, dtype=x.dtype, meta=x._meta), 1, warmup=True)
