@@ -339,6 +339,12 @@ if [ "${1:-run}" = s6-peers ]; then  # session 6 (part-ac): pgas beside tasks an
   grep -h "GB/s\|floor\|Error\|worker" "$OUT"/s6p-rechunk*.log >>"$S" 2>/dev/null
   finish s6p
 fi
+if [ "${1:-run}" = s6-nb2 ]; then  # session 6 (part-ac): the notebook after the timer raises task errors
+  step "notebook, 2 GPU workers, 1 GiB" 150 "$OUT/s6q-notebook2.log" \
+    env DASK_PGAS_NOTEBOOK_WORKERS=2 DASK_PGAS_NOTEBOOK_SIZE=1GiB python3 scripts/gpu/run_notebook.py notebooks/01_pgas_rechunk.ipynb
+  grep -h "GB/s\|checked\|available\|Error" "$OUT/s6q-notebook2.log" >>"$S" 2>/dev/null
+  finish s6q
+fi
 if [ "${1:-run}" = s4-run ]; then  # session 4 (after upload, upload2): Dask suites on the final tree, full-heap test
   dask_block s4
   step "dask suite, 1 GPU worker" 150 "$OUT/s4-dask1.log" env DASK_PGAS_TEST_GPU_WORKERS=1 python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py
