@@ -318,8 +318,8 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                     try:
                         r = t.result()
                     except OSError as exc:  # CommClosedError: the worker died (its removal may come later)
-                        message = (f"{name}: worker {tasks[t]} (PE {self.world.index(tasks[t])}) left the PGAS "
-                                   f"world: its connection closed during the collective ({exc!r})")
+                        message = (f"{name}: {self._left(tasks[t])}: its connection closed during the "
+                                   f"collective ({exc!r})")
                         break
                     except Exception as exc:
                         message = f"{name}: worker {tasks[t]} failed during the collective: {exc!r}"
@@ -338,6 +338,11 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         if fatal:
             self._break(f"pgas rechunk {message}")
         return {"status": "error", "message": message if not fatal else self.broken}
+
+    def _left(self, worker: str) -> str:
+        """The one error for a lost member, whichever way the scheduler learns of it (its removal, or its
+        start request's closed connection)."""
+        return f"worker {worker} (PE {self.world.index(worker)}) left the PGAS world"
 
     def _break(self, message: str) -> None:
         if self.broken:
@@ -421,7 +426,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
     def remove_worker(self, scheduler, worker: str, *, stimulus_id: str, **kwargs) -> None:
         if worker not in self.world:
             return
-        self._break(f"worker {worker} (PE {self.world.index(worker)}) left the PGAS world")
+        self._break(self._left(worker))
         exc = PGASWorldError(self.broken)  # every member's removal re-checks: tasks may have moved meanwhile
         recs: dict = {}
         for key, addr in list(self._pinned.items()):
