@@ -55,14 +55,17 @@ def timed_persist(client, make, repeats: int, *, device_sync: bool = False, warm
             wait_forgotten(client, keys)
         t0 = time.perf_counter()
         result = make().persist() if workers is None else client.persist(make(), workers=workers)
-        wait(result)  # returns for erred futures too: a failed method must not be timed as a result
-        erred = [f for f in futures_of(result) if f.status == "error"]  # (no reference outlives the check)
-        if erred:
-            erred[0].result()  # raises the task's exception
+        wait(result)
         if device_sync:
             client.run(_sync_device)
+        elapsed = time.perf_counter() - t0
+        # wait() returns for erred futures too: a failed method must not be timed (checked outside the timed
+        # span; no reference to a future outlives the check, or wait_forgotten would wait for ever)
+        erred = [f for f in futures_of(result) if f.status == "error"]
+        if erred:
+            erred[0].result()  # raises the task's exception
         if i or not warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(elapsed)
     return statistics.median(times), result
 
 
