@@ -61,6 +61,12 @@ failure_tests() {
   step "dask failure tests, 3 GPU workers (kill) and 2 (full heap)" 200 "$1" \
     env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -rA -p no:cacheprovider tests/dask/test_failure.py
 }
+# notebook K LOG: notebooks/01_pgas_rechunk.ipynb cell by cell on K GPU workers (1 GiB); its rates into the summary
+notebook() {
+  step "notebook, $1 GPU worker(s), 1 GiB" 150 "$2" \
+    env DASK_PGAS_NOTEBOOK_WORKERS="$1" DASK_PGAS_NOTEBOOK_SIZE=1GiB python3 scripts/gpu/run_notebook.py notebooks/01_pgas_rechunk.ipynb
+  grep -h "GB/s\|checked\|available\|PE \|Error" "$2" >>"$S" 2>/dev/null
+}
 # dask_block PREFIX: the Dask suite on 2 and 4 GPU workers and on 2 outside MPI side by side, then failure_tests
 dask_block() {
   for k in 2 4; do
@@ -313,9 +319,7 @@ if [ "${1:-run}" = s5-mps ] || [ "${1:-run}" = s6-run ]; then  # (part-ac) the e
 fi
 if [ "${1:-run}" = s6-more ]; then  # session 6 (machine still warm): the notebook on GPU workers, failures, 1 PE
   for k in 1 2; do
-    step "notebook, $k GPU worker(s), 1 GiB" 120 "$OUT/s6-notebook$k.log" \
-      env DASK_PGAS_NOTEBOOK_WORKERS=$k DASK_PGAS_NOTEBOOK_SIZE=1GiB python3 scripts/gpu/run_notebook.py notebooks/01_pgas_rechunk.ipynb
-    grep -h "GB/s\|checked\|PE \|Error" "$OUT/s6-notebook$k.log" >>"$S" 2>/dev/null
+    notebook $k "$OUT/s6-notebook$k.log"
   done
   step "gpu_checks np=1" 60 "$OUT/s6-engine.log" $MPIRUN -n 1 python3 tests/gpu/programs/gpu_checks.py
   failure_tests "$OUT/s6-failure.log"
@@ -324,9 +328,7 @@ if [ "${1:-run}" = s6-more ]; then  # session 6 (machine still warm): the notebo
 fi
 if [ "${1:-run}" = s6-nb ]; then  # session 6 (part-ac): the notebook as committed (warm timings) on 1, 2, 4 workers
   for k in 1 2 4; do
-    step "notebook, $k GPU worker(s), 1 GiB" 150 "$OUT/s6n-notebook$k.log" \
-      env DASK_PGAS_NOTEBOOK_WORKERS=$k DASK_PGAS_NOTEBOOK_SIZE=1GiB python3 scripts/gpu/run_notebook.py notebooks/01_pgas_rechunk.ipynb
-    grep -h "GB/s\|checked\|PE \|Error" "$OUT/s6n-notebook$k.log" >>"$S" 2>/dev/null
+    notebook $k "$OUT/s6n-notebook$k.log"
   done
   step "main job (dask-pgas demo, embedded default: one worker per GPU)" 120 "$OUT/s6n-demo.log" python3 -m dask_pgas.cli demo
   grep -h "GB/s\|pgas vs\|copy\|WRONG" "$OUT/s6n-demo.log" >>"$S" 2>/dev/null
@@ -340,9 +342,7 @@ if [ "${1:-run}" = s6-peers ]; then  # session 6 (part-ac): pgas beside tasks an
   finish s6p
 fi
 if [ "${1:-run}" = s6-nb2 ]; then  # session 6 (part-ac): the notebook after the timer raises task errors
-  step "notebook, 2 GPU workers, 1 GiB" 150 "$OUT/s6q-notebook2.log" \
-    env DASK_PGAS_NOTEBOOK_WORKERS=2 DASK_PGAS_NOTEBOOK_SIZE=1GiB python3 scripts/gpu/run_notebook.py notebooks/01_pgas_rechunk.ipynb
-  grep -h "GB/s\|checked\|available\|Error" "$OUT/s6q-notebook2.log" >>"$S" 2>/dev/null
+  notebook 2 "$OUT/s6q-notebook2.log"
   finish s6q
 fi
 if [ "${1:-run}" = s4-run ]; then  # session 4 (after upload, upload2): Dask suites on the final tree, full-heap test
