@@ -12,7 +12,7 @@
 #            and s5-mps.
 # Session 6: s5-upload, upload2, s6-run (part-ac: MPS block, review commits); then s6-more (nothing carried:
 #            the notebook on 1 and 2 GPU workers, the failure tests, 1 GPU worker); s5-upload, upload2, s6-nb.
-# Session 7: s5-upload, upload2, s7-run (part-ac).
+# Session 7: s5-upload, upload2, s7-run (part-ac); then s7-p2p (.whl only).
 # Phase 1 runs correctness jobs side by side (they share the GPU); phase 2 runs the timed jobs one at a time.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/stage /tmp/site
@@ -353,6 +353,13 @@ if [ "${1:-run}" = s7-run ]; then  # session 7 (part-ac): the notebook after the
   step "Dask p2p rechunk of CuPy chunks, minimal reproduction (no dask_pgas)" 200 "$OUT/s7-p2p-repro.log" \
     python3 scripts/gpu/repro_p2p_cupy.py
   grep -h "^---\|^OK\|^FAILED\|^[A-Za-z]*Error" "$OUT/s7-p2p-repro.log" | head -40 >>"$S"
+  finish s7
+fi
+if [ "${1:-run}" = s7-p2p ]; then  # session 7 (.whl only, no cuFFTMp needed): p2p on CuPy with the candidate fix
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  step "Dask p2p rechunk of CuPy chunks, _mean_shard_size patched on the workers" 200 "$OUT/s7-p2p-patched.log" \
+    python3 scripts/gpu/repro_p2p_cupy.py --patched
+  grep -h "^---\|^OK\|^FAILED\|^[A-Za-z]*Error" "$OUT/s7-p2p-patched.log" | head -40 >>"$S"
   finish s7
 fi
 if [ "${1:-run}" = s4-run ]; then  # session 4 (after upload, upload2): Dask suites on the final tree, full-heap test
