@@ -34,7 +34,8 @@ def _patch_mean_shard_size() -> None:
     def mean_shard_size(shards) -> int:
         from dask.core import flatten
 
-        sizes = [getattr(s, "nbytes", None) for s in flatten(shards, container=(tuple, list)) if not isinstance(s, int)][:10]
+        items = [s for s in flatten(shards, container=(tuple, list)) if not isinstance(s, int)][:10]
+        sizes = [getattr(s, "nbytes", None) for s in items]
         if all(isinstance(n, int) for n in sizes):
             return sum(sizes) // len(sizes) if sizes else 0
         return original(shards)
