@@ -10,7 +10,9 @@ and persisted, rechunked to row slabs and back; each time is ``rechunk(...).pers
 * ``pgas``: ``dask_pgas.rechunk`` as configured (one worker: a local plan, no collective);
 * ``pgas-collective``: the same with ``pgas.local-rechunk: False`` (through the engine's staging buffers and
   plan; skipped where the staging would not fit in ``--heap-limit``);
-* ``tasks`` and ``p2p``: Dask's own rechunks (sizes up to ``--tasks-limit``);
+* ``tasks`` and ``p2p``: Dask's own rechunks (sizes up to ``--tasks-limit``); with ``--p2p-cupy-fix`` the
+  row is ``p2p+fix``: ``p2p`` with the one-line fix of docs/upstream-p2p-cupy.md applied on the workers
+  (Dask 2026.8's ``p2p`` fails on CuPy chunks without it);
 * ``dask-floor``: ``x.map_blocks(identity)`` persisted on the same chunks with its tasks restricted to the
   workers like pgas's pinned tasks (Dask's fixed cost, no data moved); ``dask-floor-queued``: the same without
   the restriction (Dask then queues them, two per worker thread at a time);
@@ -92,10 +94,10 @@ def one_size(client, nbytes: int, workers: int, args) -> dict:
     if 2 * size / workers * 1.3 <= dask.utils.parse_bytes(args.heap_limit):
         methods.append(("pgas-collective", {"pgas.local-rechunk": False}))
     if size <= dask.utils.parse_bytes(args.tasks_limit):
-        methods += [("tasks", {}), ("p2p", {})]
+        methods += [("tasks", {}), ("p2p+fix" if args.p2p_cupy_fix else "p2p", {})]
     x_keys = _keys(x)
     for label, cfg in methods:
-        method = "pgas" if label.startswith("pgas") else label
+        method = "pgas" if label.startswith("pgas") else label.removesuffix("+fix")
         try:
             if x is None:
                 x = make_x().persist()
@@ -125,6 +127,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tasks-limit", default="4GiB", help="largest size also run with Dask tasks and p2p")
     ap.add_argument("--heap-limit", default="8GiB", help="NVSHMEM heap per worker (pgas-collective rows)")
+    ap.add_argument("--p2p-cupy-fix", action="store_true",
+                    help="run p2p with the fix of docs/upstream-p2p-cupy.md applied on the workers")
     args = ap.parse_args()
 
     from dask.utils import format_bytes, parse_bytes
@@ -136,6 +140,11 @@ def main() -> int:
     with dask_pgas.LocalMPICluster(n_workers=args.workers, backends=["nvshmem"], gpus=1) as cluster, \
             Client(cluster) as client:
         print(f"{args.workers} GPU worker(s): {cluster.world}")
+        if args.p2p_cupy_fix:
+            sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "gpu"))
+            from repro_p2p_cupy import _patch_mean_shard_size
+
+            client.run(_patch_mean_shard_size)
         print(f"{'size':>10} {'method':<16} {'cols->rows':>12} {'rows->cols':>12} {'of D2D copy':>14}  check")
         for size in args.sizes.split(","):
             row = one_size(client, parse_bytes(size), args.workers, args)
@@ -146,7 +155,7 @@ def main() -> int:
             for label in ("dask-floor", "dask-floor-queued"):
                 floor = row[f"{label}_s"]
                 print(f"{'':>10} {label:<17} {'':>11} {'':>12} {'':>14}   ({floor * 1e3:.1f} ms, no data moved)")
-            for label in ("pgas", "pgas-collective", "tasks", "p2p"):
+            for label in ("pgas", "pgas-collective", "tasks", "p2p", "p2p+fix"):
                 if f"{label}_error" in row:
                     print(f"{'':>10} {label:<16} {row[label + '_error']}")
                     continue

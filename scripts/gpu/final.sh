@@ -12,7 +12,7 @@
 #            and s5-mps.
 # Session 6: s5-upload, upload2, s6-run (part-ac: MPS block, review commits); then s6-more (nothing carried:
 #            the notebook on 1 and 2 GPU workers, the failure tests, 1 GPU worker); s5-upload, upload2, s6-nb.
-# Session 7: s5-upload, upload2, s7-run (part-ac); then s7-p2p (.whl only).
+# Session 7: s5-upload, upload2, s7-run (part-ac); then s7-p2p (.whl only); s5-upload, upload2, s7-peers.
 # Phase 1 runs correctness jobs side by side (they share the GPU); phase 2 runs the timed jobs one at a time.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/stage /tmp/site
@@ -361,6 +361,13 @@ if [ "${1:-run}" = s7-p2p ]; then  # session 7 (.whl only, no cuFFTMp needed): p
     python3 scripts/gpu/repro_p2p_cupy.py --patched
   grep -h "^---\|^OK\|^FAILED\|^[A-Za-z]*Error" "$OUT/s7-p2p-patched.log" | head -40 >>"$S"
   finish s7
+fi
+if [ "${1:-run}" = s7-peers ]; then  # session 7 (part-ac): pgas beside tasks and p2p with the CuPy fix, 1/2/4 workers
+  step "rechunk bench, 1 GPU worker, p2p+fix" 150 "$OUT/s7p-rechunk1.log" python3 benchmarks/bench_rechunk_gpu.py --workers 1 --sizes 1GiB,4GiB --repeats 3 --p2p-cupy-fix
+  step "rechunk bench, 2 GPU workers, p2p+fix" 200 "$OUT/s7p-rechunk2.log" python3 benchmarks/bench_rechunk_gpu.py --workers 2 --sizes 1GiB,4GiB --repeats 3 --p2p-cupy-fix
+  step "rechunk bench, 4 GPU workers, p2p+fix" 150 "$OUT/s7p-rechunk4.log" python3 benchmarks/bench_rechunk_gpu.py --workers 4 --sizes 1GiB --repeats 3 --p2p-cupy-fix
+  grep -h "GB/s\|floor\|Error\|worker" "$OUT"/s7p-rechunk*.log >>"$S" 2>/dev/null
+  finish s7p
 fi
 if [ "${1:-run}" = s4-run ]; then  # session 4 (after upload, upload2): Dask suites on the final tree, full-heap test
   dask_block s4
