@@ -102,6 +102,12 @@ def scenario(client, name: str, shape, chunks_in, chunks_out, methods, repeats, 
                 del y, z
             except Exception as exc:  # report and go on with the other methods
                 row[f"{method}_error"] = f"{type(exc).__name__}: {exc}"
+    peers = [times[m][0] for m in ("tasks", "p2p") if m in times and f"{m}_error" not in row and times[m][0]]
+    if "pgas" in times and "pgas_error" not in row and peers:
+        # each round's own ratio (forward): how much the verdict depends on the round it is read from
+        row["pgas_over_best_peer_by_round"] = [
+            min(p[i] for p in peers) / t for i, t in enumerate(times["pgas"][0]) if all(len(p) > i for p in peers)
+        ]
     for method, (fwds, backs) in times.items():
         if f"{method}_error" in row:
             continue
@@ -184,6 +190,12 @@ def main() -> None:
         print(f"| {r['scenario']} | {'x'.join(map(str, r['shape']))} | {fb('pgas')} | {fb('tasks')} | {fb('p2p')} | "
               f"{ratio} | {f'{a2a:.2f}' if a2a else '-'} | "
               f"{pct} | {ceiling} |")
+    for r in rows:
+        if len(r.get("pgas_over_best_peer_by_round", [])) > 1:
+            by_round = r["pgas_over_best_peer_by_round"]
+            print(f"{r['scenario']}: pgas / best peer by round (forward): "
+                  f"{' '.join(f'{v:.1f}x' for v in by_round)}; at least 5x in {sum(v >= 5 for v in by_round)} "
+                  f"of {len(by_round)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
