@@ -142,9 +142,11 @@ def main() -> int:
         print(f"{args.workers} GPU worker(s): {cluster.world}")
         if args.p2p_cupy_fix:
             sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "gpu"))
-            from repro_p2p_cupy import _patch_mean_shard_size
+            import cloudpickle
+            import repro_p2p_cupy
 
-            client.run(_patch_mean_shard_size)
+            cloudpickle.register_pickle_by_value(repro_p2p_cupy)  # the workers cannot import it
+            client.run(repro_p2p_cupy._patch_mean_shard_size)
         print(f"{'size':>10} {'method':<16} {'cols->rows':>12} {'rows->cols':>12} {'of D2D copy':>14}  check")
         for size in args.sizes.split(","):
             row = one_size(client, parse_bytes(size), args.workers, args)
