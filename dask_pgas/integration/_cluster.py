@@ -6,6 +6,7 @@ interpreter or on ``PATH``. Output of both goes to log files (``cluster.logs()``
 On start the PGAS world is bootstrapped (``bootstrap=False`` to skip). ``close()`` tears the world down
 collectively, shuts the scheduler and workers down and kills whatever is left: no processes stay behind, and
 if the launching process dies without closing, the scheduler and workers notice within a second and exit.
+MPICH's per-job shared-memory files, which a killed job leaves in ``/dev/shm``, are removed when the job ends.
 GPU workers (``gpus=N``) get no host memory limit by default (``memory_limit=None``): Dask sizes CuPy chunks as
 if they were host memory and would spill or pause on device bytes; CPU workers default to ``"auto"``.
 """
@@ -101,6 +102,7 @@ class LocalMPICluster:
             self._env["DASK_PGAS_BIND_GPUS"] = str(gpus)
         self._procs: list[subprocess.Popen] = []
         self._logs: list = []
+        self._shm: dict[int, set[str]] = {}  # worker job's PID -> MPICH's /dev/shm files it left to remove
         try:
             self._scheduler = self._spawn(
                 "scheduler",
@@ -122,6 +124,7 @@ class LocalMPICluster:
 
             with Client(self.scheduler_address, timeout=timeout) as client:
                 client.wait_for_workers(n_workers, timeout=timeout)
+                self._note_shm()
                 if bootstrap:
                     from ._client import bootstrap as _bootstrap
 
@@ -141,16 +144,31 @@ class LocalMPICluster:
         of workers, so the cluster keeps computing; the PGAS world stays broken until bootstrapped again."""
         while self.status == Status.running:
             time.sleep(0.2)
-            if self._workers.poll() is None or self.status != Status.running or not self._restart_workers:
+            if self._workers.poll() is None:
+                if self._workers.pid not in self._shm:  # a restarted job, once its ranks are up
+                    self._note_shm(final=time.monotonic() - self._spawned_at > 30)
                 continue
+            if self.status != Status.running or not self._restart_workers:
+                continue
+            _orphan_guard.remove_files(self._shm.pop(self._workers.pid, ()))
             self.restarts += 1
             self._workers = self._spawn(f"workers-{self.restarts}", self._worker_cmd, self._worker_env)
+
+    def _note_shm(self, final: bool = True) -> None:
+        """Remember the MPI library's shared-memory files of the running worker job (to remove at its end).
+        Not ``final``: only once some are found (its ranks may not have initialized MPI yet)."""
+        pids = self.worker_pids()
+        if len(pids) >= self.n_workers:
+            files = _orphan_guard.mpi_shm_files(pids)
+            if files or final:
+                self._shm[self._workers.pid] = files
 
     def _spawn(self, what: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(os.path.join(self._dir, f"{what}.log"), "wb")
         self._logs.append(log)
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env if env is None else env,
                                 start_new_session=True, stdin=subprocess.DEVNULL)
+        self._spawned_at = time.monotonic()
         self._procs.append(proc)
         return proc
 
@@ -243,6 +261,10 @@ class LocalMPICluster:
                     pass
         for log in self._logs:
             log.close()
+        if not any(p.poll() is None for p in self._procs):  # every job has ended: its files are leftovers
+            for files in self._shm.values():
+                _orphan_guard.remove_files(files)
+            self._shm.clear()
 
     def __enter__(self) -> LocalMPICluster:
         return self

@@ -3,6 +3,10 @@
 The scheduler (as a ``--preload`` module) and every worker rank watch the launcher's PID, given in
 ``DASK_PGAS_LAUNCHER_PID``: a driver killed without closing its cluster (``kill``, a timeout, a crashed
 kernel) leaves no scheduler or worker behind holding memory or a GPU.
+
+MPICH keeps one named shared-memory file per job under ``/dev/shm`` until ``MPI_Finalize``; a rank that exits
+without finalizing (here, or killed) leaves it behind. :func:`mpi_shm_files` finds the ones a process has
+mapped, so that whoever ends the job can remove them.
 """
 
 from __future__ import annotations
@@ -24,6 +28,31 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def mpi_shm_files(pids) -> set[str]:
+    """Named shared-memory files of the MPI library (``/dev/shm/mpich_*``) mapped by these processes."""
+    found: set[str] = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    fields = line.split(maxsplit=5)
+                    path = fields[5].rstrip("\n") if len(fields) == 6 else ""
+                    if path.startswith("/dev/shm/mpich_") and not path.endswith(" (deleted)"):
+                        found.add(path)
+        except OSError:  # gone, or not Linux
+            pass
+    return found
+
+
+def remove_files(paths) -> None:
+    """Unlink what is still there (mappings stay valid until their processes unmap them)."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 def watch_launcher(interval: float = 1.0) -> None:
     """Start a daemon thread that ends this process once the launcher PID (if set) no longer exists."""
     pid = int(os.environ.get(ENV, "0") or 0)
@@ -33,7 +62,9 @@ def watch_launcher(interval: float = 1.0) -> None:
     def loop() -> None:
         while _alive(pid):
             time.sleep(interval)
-        os._exit(0)  # the launcher is gone: nobody will close this process (and MPI may not finalize)
+        # the launcher is gone: nobody will close this process, and MPI will not finalize
+        remove_files(mpi_shm_files([os.getpid()]))
+        os._exit(0)
 
     threading.Thread(target=loop, name="dask-pgas-orphan-guard", daemon=True).start()
 

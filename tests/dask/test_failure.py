@@ -13,6 +13,7 @@ import pytest
 import dask_pgas
 from dask_pgas.errors import CollectiveError
 from dask_pgas.integration import PGASRechunkUnsupported, PGASWorldError
+from dask_pgas.integration._orphan_guard import mpi_shm_files
 
 from ._xp import BACKEND, GPU_WORKERS, host, on_device
 
@@ -31,6 +32,21 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _mpich() -> bool:
+    import subprocess
+
+    from dask_pgas.integration._cluster import _mpiexec
+
+    return "HYDRA" in subprocess.run([_mpiexec(), "--version"], capture_output=True, text=True).stdout
+
+
+def _gone(files, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (left := [f for f in files if os.path.exists(f)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"{what} outlived it: {left}"
+
+
 def test_teardown_kill_and_close(capfd):
     from distributed import Client
 
@@ -39,6 +55,8 @@ def test_teardown_kill_and_close(capfd):
     pids = cluster.worker_pids()
     procs = [p.pid for p in cluster._procs]
     assert len(pids) == 3
+    shm = mpi_shm_files(pids)  # MPICH's per-job files, which a killed job leaves in /dev/shm
+    assert shm or not _mpich()
     try:
         with Client(cluster) as client:
             x = on_device(da.random.random((300, 300), chunks=(300, 100))).persist()
@@ -76,6 +94,10 @@ def test_teardown_kill_and_close(capfd):
             # the local cluster replaces the MPI job (MPICH takes every rank down with the one that died)
             client.wait_for_workers(3, timeout=120)
             pids += cluster.worker_pids()
+            # the dead job's files went with it; the new job's are removed when it ends (close, below)
+            _gone(shm, "the killed job's shared-memory files")
+            shm = mpi_shm_files(pids)
+            assert shm or not _mpich()
             assert dask_pgas.world(client).broken
             # the input stays computable
             np.testing.assert_array_equal(host(x.rechunk((50, 300), method="tasks").compute()), ref)
@@ -87,6 +109,7 @@ def test_teardown_kill_and_close(capfd):
         cluster.close()
     time.sleep(0.5)
     assert not [p for p in pids + procs if _alive(p)]
+    _gone(shm, "the MPI job's shared-memory files")
     out, err = capfd.readouterr()
     assert "Traceback" not in out + err
 
@@ -107,10 +130,12 @@ def test_killed_launcher_leaves_no_processes():
     driver = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
     try:
         pids = json.loads(driver.stdout.readline())
+        shm = mpi_shm_files(pids)
     finally:
         driver.kill()
         driver.wait()
     assert len(pids) >= 4  # 2 workers, mpiexec, scheduler
+    assert shm or not _mpich()
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and any(_alive(p) for p in pids):
         time.sleep(0.2)
@@ -118,6 +143,7 @@ def test_killed_launcher_leaves_no_processes():
     for p in left:  # do not leak them into the rest of the session
         os.kill(p, signal.SIGKILL)
     assert not left, f"processes {left} outlived their launcher"
+    _gone(shm, "the MPI job's shared-memory files")  # the ranks removed them on their way out
 
 
 @pytest.mark.skipif(not GPU_WORKERS, reason="needs the NVSHMEM heap of GPU workers")
