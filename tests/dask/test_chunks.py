@@ -131,6 +131,27 @@ def test_owner_aware_placement_keeps_data_in_place():
         assert [where[q.index] for q in pieces] == [pe]
 
 
+def test_scattered_inputs_go_straight_to_their_output_pe():
+    """Chunks spread at random over the PEs must be gathered by Dask whatever the input boxes; gathering them
+    on their output PE makes the plan local, instead of gathering and then exchanging the same bytes again."""
+    n, p = 1024, 4
+    chunks_in, chunks_out = ((64,) * 16, (64,) * 16), ((n // p,) * p, (n,))
+    rng = np.random.default_rng(1)
+    where = {(i, j): int(rng.integers(p)) for i in range(16) for j in range(16)}
+    plan = plan_chunks(chunks_in, chunks_out, p, where)
+    assert plan.is_local
+    # the row slabs go to PEs that hold many of their chunks: close to the best assignment, far above the mean
+    held = np.zeros((p, p))  # slab (by first row) x PE
+    for i, j in where:
+        held[i // 4, where[(i, j)]] += 1
+    kept = sum(held[box.lower[0] // 256, pe] for pe, box in enumerate(plan.output_boxes))
+    every = [sum(held[s, pe] for pe, s in enumerate(perm)) for perm in itertools.permutations(range(p))]
+    assert kept >= 0.9 * max(every) and kept > np.mean(every)
+    # placed column slabs still stay where they are and go through the collective
+    placed = plan_chunks(((n,), (n // p,) * p), chunks_out, p, {(0, j): j for j in range(p)})
+    assert not placed.is_local and [b.lower[1] for b in placed.input_boxes] == [0, 256, 512, 768]
+
+
 def test_output_boxes_follow_input_boxes():
     # same grid in and out: nothing should move
     chunks = ((5, 5, 5), (4, 4))
