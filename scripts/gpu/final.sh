@@ -12,7 +12,8 @@
 #            and s5-mps.
 # Session 6: s5-upload, upload2, s6-run (part-ac: MPS block, review commits); then s6-more (nothing carried:
 #            the notebook on 1 and 2 GPU workers, the failure tests, 1 GPU worker); s5-upload, upload2, s6-nb.
-# Session 7: s5-upload, upload2, s7-run (part-ac); then s7-p2p (.whl only); s5-upload, upload2, s7-peers.
+# Session 7: s5-upload, upload2, s7-run (part-ac); then s7-p2p (.whl only); s5-upload, upload2, s7-peers;
+#            s5-upload, upload2, s7-final.
 # Phase 1 runs correctness jobs side by side (they share the GPU); phase 2 runs the timed jobs one at a time.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/stage /tmp/site
@@ -368,6 +369,11 @@ if [ "${1:-run}" = s7-peers ]; then  # session 7 (part-ac): pgas beside tasks an
   step "rechunk bench, 4 GPU workers, p2p+fix" 150 "$OUT/s7p-rechunk4.log" python3 benchmarks/bench_rechunk_gpu.py --workers 4 --sizes 1GiB --repeats 3 --p2p-cupy-fix
   grep -h "GB/s\|floor\|Error\|worker" "$OUT"/s7p-rechunk*.log >>"$S" 2>/dev/null
   finish s7p
+fi
+if [ "${1:-run}" = s7-final ]; then  # session 7 (part-ac): the final tree (planner byte cost, /dev/shm cleanup)
+  dask_block s7f
+  dask_suite 1 150 "$OUT/s7f-dask1.log"
+  finish s7f
 fi
 if [ "${1:-run}" = s4-run ]; then  # session 4 (after upload, upload2): Dask suites on the final tree, full-heap test
   dask_block s4
