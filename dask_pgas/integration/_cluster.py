@@ -156,12 +156,12 @@ class LocalMPICluster:
 
     def _note_shm(self, final: bool = True) -> None:
         """Remember the MPI library's shared-memory files of the running worker job (to remove at its end).
-        Not ``final``: only once some are found (its ranks may not have initialized MPI yet)."""
+        Not ``final``: only once some are found (its ranks may not have initialized MPI yet); ``final`` records
+        what there is, even nothing (another MPI, or no ``/proc``), so the watcher stops looking."""
         pids = self.worker_pids()
-        if len(pids) >= self.n_workers:
-            files = _orphan_guard.mpi_shm_files(pids)
-            if files or final:
-                self._shm[self._workers.pid] = files
+        files = _orphan_guard.mpi_shm_files(pids) if len(pids) >= self.n_workers else set()
+        if files or final:
+            self._shm[self._workers.pid] = files
 
     def _spawn(self, what: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(os.path.join(self._dir, f"{what}.log"), "wb")
