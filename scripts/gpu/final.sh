@@ -370,9 +370,12 @@ if [ "${1:-run}" = s7-peers ]; then  # session 7 (part-ac): pgas beside tasks an
   grep -h "GB/s\|floor\|Error\|worker" "$OUT"/s7p-rechunk*.log >>"$S" 2>/dev/null
   finish s7p
 fi
-if [ "${1:-run}" = s7-final ]; then  # session 7 (part-ac): the final tree (planner byte cost, /dev/shm cleanup)
-  dask_block s7f
-  dask_suite 1 150 "$OUT/s7f-dask1.log"
+if [ "${1:-run}" = s7-final ]; then  # session 7 (part-ac): the final tree (planner byte cost), multi-worker plans
+  for k in 2 4; do
+    dask_suite $k 200 "$OUT/s7f-dask$k.log" &
+  done
+  dask_suite 2 200 "$OUT/s7f-nanny2.log" local &
+  wait
   finish s7f
 fi
 if [ "${1:-run}" = s4-run ]; then  # session 4 (after upload, upload2): Dask suites on the final tree, full-heap test
