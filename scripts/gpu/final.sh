@@ -378,6 +378,14 @@ if [ "${1:-run}" = s7-final ]; then  # session 7 (part-ac): the final tree (plan
   wait
   finish s7f
 fi
+if [ "${1:-run}" = s7-cancel ]; then  # session 7 (part-ac): s7-final's one failure, again on 4 GPU workers
+  dask_suite 4 150 "$OUT/s7c-dask4.log"
+  for i in 1 2 3; do
+    step "cancel test, 4 GPU workers, try $i" 60 "$OUT/s7c-cancel.log" \
+      env DASK_PGAS_TEST_GPU_WORKERS=4 python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py -k cancelled
+  done
+  finish s7c
+fi
 if [ "${1:-run}" = s4-run ]; then  # session 4 (after upload, upload2): Dask suites on the final tree, full-heap test
   dask_block s4
   step "dask suite, 1 GPU worker" 150 "$OUT/s4-dask1.log" env DASK_PGAS_TEST_GPU_WORKERS=1 python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py
