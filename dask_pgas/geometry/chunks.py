@@ -273,6 +273,7 @@ def _plan_cached(chunks_in: Chunks, chunks_out: Chunks, npes: int, locs: tuple) 
         owner_grid[tuple(index[ok].T)] = pes[ok]
     bounds_in, bounds_out = _bounds(chunks_in), _bounds(chunks_out)
     best = None
+    total = float(math.prod(shape))
     candidates = (None, *range(len(shape))) if npes <= 64 else (None,)
     for prefer in candidates:
         boxes = bisect_boxes(chunks_in, npes, split_chunks=True, prefer_axis=prefer)
@@ -297,7 +298,7 @@ def _plan_cached(chunks_in: Chunks, chunks_out: Chunks, npes: int, locs: tuple) 
         boxes = [boxes[k] for k in order]
         if all(_aligned(b, bounds_out) for b in boxes):
             # the input boxes are output-chunk-aligned too: they are the output boxes, nothing crosses PEs
-            outs, stay = list(boxes), float(math.prod(shape))
+            outs, stay = list(boxes), total
         else:
             overlap = np.zeros((npes, npes))
             for k, ob in enumerate(out_boxes):
@@ -308,7 +309,6 @@ def _plan_cached(chunks_in: Chunks, chunks_out: Chunks, npes: int, locs: tuple) 
             out_order = match_owners(overlap)
             stay = sum(overlap[out_order[pe], pe] for pe in range(npes))
             outs = [out_boxes[k] for k in out_order]
-        total = float(math.prod(shape))
         cost = DASK_BYTE_COST * (total - local) + (total - stay)
         score = (-cost, prefer is None)
         if best is None or score > best[0]:
