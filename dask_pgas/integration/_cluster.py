@@ -41,6 +41,18 @@ def _mpiexec() -> str:
     return found
 
 
+def _launcher_kind(mpiexec: str) -> str:
+    """``"openmpi"``, ``"mpich"`` (hydra) or ``""`` (unknown), from ``mpiexec --version``."""
+    try:
+        version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30,
+                                 stdin=subprocess.DEVNULL).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    if "Open MPI" in version or "OpenRTE" in version:
+        return "openmpi"
+    return "mpich" if "HYDRA" in version else ""
+
+
 def _launcher_env(mpiexec: str, env: dict[str, str]) -> dict[str, str]:
     """``env`` plus launcher defaults (the caller's own settings win).
 
@@ -50,13 +62,8 @@ def _launcher_env(mpiexec: str, env: dict[str, str]) -> dict[str, str]:
     (``OMPI_MCA_hwloc_base_binding_policy=none``, i.e. ``--bind-to none``); MPICH's hydra binds nothing by
     default.
     """
-    try:
-        version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30,
-                                 stdin=subprocess.DEVNULL).stdout
-    except (OSError, subprocess.SubprocessError):
-        version = ""
     env = dict(env)
-    if "Open MPI" in version or "OpenRTE" in version:
+    if _launcher_kind(mpiexec) == "openmpi":
         env.setdefault("OMPI_MCA_hwloc_base_binding_policy", "none")
     return env
 

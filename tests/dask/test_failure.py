@@ -33,11 +33,9 @@ def _alive(pid: int) -> bool:
 
 
 def _mpich() -> bool:
-    import subprocess
+    from dask_pgas.integration._cluster import _launcher_kind, _mpiexec
 
-    from dask_pgas.integration._cluster import _mpiexec
-
-    return "HYDRA" in subprocess.run([_mpiexec(), "--version"], capture_output=True, text=True).stdout
+    return _launcher_kind(_mpiexec()) == "mpich"
 
 
 def _gone(files, what: str, timeout: float = 10.0) -> None:
