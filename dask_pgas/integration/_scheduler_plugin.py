@@ -55,7 +55,9 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         self.backends: tuple[str, ...] = ()
         self.broken: str | None = None
         self._seq = 0
-        self._runs: dict[str, _Run] = {}
+        self._runs: dict[str, _Run] = {}  # run name -> its run in flight
+        # runs still in flight whose rechunk Dask released (a cancel): a new attempt gets a run of its own
+        self._detached: set[_Run] = set()
         self._pinned: dict[Any, str] = {}  # key -> worker address
         self._barriers: set = set()  # barrier keys of graphs on this scheduler
         self._ready: dict[str, set] = {}  # run name -> PEs whose transfer task is in memory
@@ -105,7 +107,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             "workers": list(self.world),
             "backends": list(self.backends),
             "broken": self.broken,
-            "active_runs": sorted(self._runs),
+            "active_runs": sorted({r.name for r in self._in_flight()}),
         }
 
     async def describe_world(self, detail: bool = False, keys: list | None = None) -> dict:
@@ -124,6 +126,9 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             out["info"] = infos
         return out
 
+    def _in_flight(self) -> list[_Run]:
+        return [*self._runs.values(), *self._detached]
+
     async def _call(self, workers, op: str, timeout: float | None = None, **kwargs) -> dict[str, Any]:
         async def one(addr):
             return await self.scheduler.rpc(addr).__getattr__(op)(**kwargs)
@@ -138,8 +143,8 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         async with self._lock:
             if self.world and not self.broken and all(w in self.scheduler.workers for w in self.world):
                 return {"status": "OK", **self._describe()}
-            if self._runs:
-                return {"status": "error", "message": f"rechunks still running: {sorted(self._runs)}"}
+            if runs := self._describe()["active_runs"]:
+                return {"status": "error", "message": f"rechunks still running: {runs}"}
             workers = list(self.scheduler.workers)
             if not workers:
                 return {"status": "error", "message": "the cluster has no workers yet; wait_for_workers first"}
@@ -219,8 +224,8 @@ class PGASSchedulerPlugin(SchedulerPlugin):
 
     async def teardown(self) -> dict:
         async with self._lock:
-            if self._runs:
-                return {"status": "error", "message": f"rechunks still running: {sorted(self._runs)}"}
+            if runs := self._describe()["active_runs"]:
+                return {"status": "error", "message": f"rechunks still running: {runs}"}
             if not self.world:
                 return {"status": "OK", "workers": {}}
             members = [w for w in self.world if w in self.scheduler.workers]
@@ -242,8 +247,11 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         their own worker for the run to end there."""
         run = self._runs.get(name)
         if run is None:
-            if name in self._finished:  # kept for the P barrier tasks until the run starts again
+            if name in self._finished:  # the run has ended already
                 return self._finished[name]
+            ts = self.scheduler.tasks.get("pgas-barrier-" + name[len("pgas-rechunk-"):])
+            if ts is None or ts.state != "processing":  # a late call from a barrier task Dask has released
+                return {"status": "error", "message": f"{name} was released before its collective started"}
             run = self._start(name, epoch)
         if run.error is not None:
             return {"status": "error", "message": run.error}
@@ -282,10 +290,14 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                 self._break(f"pgas rechunk {name}: the scheduler could not drive the collective: {exc!r}")
                 result = {"status": "error", "message": self.broken}
         finally:
-            self._runs.pop(name, None)
-        self._finished[name] = result
-        while len(self._finished) > 1000:  # small dicts; the oldest go first
-            self._finished.pop(next(iter(self._finished)))
+            current = self._runs.get(name) is run
+            if current:
+                del self._runs[name]
+            self._detached.discard(run)
+        if current:  # (a released run's result is not wanted)
+            self._finished[name] = result
+            while len(self._finished) > 1000:  # small dicts; the oldest go first
+                self._finished.pop(next(iter(self._finished)))
         return result
 
     async def _collective(self, run: _Run, epoch: int) -> dict:
@@ -353,7 +365,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             "method='tasks'/'p2p'. Restart the cluster and call dask_pgas.bootstrap(client) again."
         )
         logger.error("dask_pgas: %s", self.broken)
-        for run in self._runs.values():
+        for run in self._in_flight():
             run.fail(message)
         msgs = {
             w: [{"op": "pgas-fail", "message": self.broken, "epoch": self.epoch}]
@@ -418,6 +430,9 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             name = "pgas-rechunk-" + key[len("pgas-barrier-"):]
             seq = self._last_seq.pop(name, None)
             self._ready.pop(name, None)
+            self._finished.pop(name, None)
+            if (run := self._runs.pop(name, None)) is not None:  # cancelled while its collective runs
+                self._detached.add(run)
             msgs = {w: [{"op": "pgas-forget", "name": name, "run": seq, "epoch": self.epoch}] for w in self.world
                     if w in self.scheduler.workers}
             if msgs:

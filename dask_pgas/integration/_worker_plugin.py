@@ -178,11 +178,15 @@ class PGASWorkerPlugin(WorkerPlugin):
         self.npes = 0
         self.broken: str | None = None
         self.poisoned = False  # a collective never returned: this process cannot join a new world
+        # _staged, _done and _dropped are shared by the event loop, task threads and the collective thread
+        self._lock = threading.Lock()
         self._staged: dict[str, tuple] = {}
         self._pending: dict[int, tuple[str, concurrent.futures.Future]] = {}
         # run seq -> resolved with this PE's output box when its run ends here (dropped when Dask forgets it)
         self._done: dict[int, concurrent.futures.Future] = {}
-        self._done_lock = threading.Lock()
+        # runs Dask released (a cancel) before they ended here: they still run, in order, but keep no result
+        # and take no input staged since (that belongs to the next attempt of the same rechunk)
+        self._dropped: set[int] = set()
         self._next_seq = 0
         self._buffers: dict[str, Any] = {}
         self._scratch_buf = None
@@ -227,14 +231,8 @@ class PGASWorkerPlugin(WorkerPlugin):
 
     def stage(self, name: str, pe: int, epoch: int, spec: RunSpec, pieces: tuple, arrays: tuple) -> None:
         self.check(pe, epoch)
-        self._staged[name] = (spec, pieces, arrays)
-
-    def _run_done(self, seq: int) -> concurrent.futures.Future:
-        with self._done_lock:
-            fut = self._done.get(seq)
-            if fut is None:
-                fut = self._done[seq] = concurrent.futures.Future()
-            return fut
+        with self._lock:
+            self._staged[name] = (spec, pieces, arrays)
 
     def take(self, name: str, pe: int, epoch: int, box_slices: tuple, whole: bool, run: int) -> Any:
         """This PE's slice of run ``run``'s output box; waits for the run to end here.
@@ -245,9 +243,9 @@ class PGASWorkerPlugin(WorkerPlugin):
         """
         self.check(pe, epoch)
         timeout = dask.utils.parse_timedelta(dask.config.get("pgas.collective-timeout", "120s")) + 30
-        with self._done_lock:
+        with self._lock:
             done = self._done.get(run)
-            if done is None and run >= self._next_seq:  # not started here yet
+            if done is None and run >= self._next_seq and run not in self._dropped:  # not started here yet
                 done = self._done[run] = concurrent.futures.Future()
         if done is None:  # it ran here and was forgotten since
             raise PGASWorldError(
@@ -320,7 +318,9 @@ class PGASWorkerPlugin(WorkerPlugin):
         self._pending[seq] = (name, fut)
         while self._next_seq in self._pending:  # submit in the global order, whatever the arrival order
             nm, f = self._pending.pop(self._next_seq)
-            self._run_done(self._next_seq)  # before _next_seq moves on: take() tells "not yet" from "forgotten"
+            with self._lock:  # before _next_seq moves on: take() tells "not yet" from "forgotten"
+                if self._next_seq not in self._dropped:
+                    self._done.setdefault(self._next_seq, concurrent.futures.Future())
             self._thread.submit(self._run_and_signal, nm, self._next_seq, future=f)
             self._next_seq += 1
         try:
@@ -347,17 +347,27 @@ class PGASWorkerPlugin(WorkerPlugin):
         return await asyncio.wrap_future(self._thread.submit(make))
 
     def _h_forget(self, name: str, run: int | None = None, epoch: int | None = None) -> None:
-        self._staged.pop(name, None)
-        if run is not None and epoch == self.epoch:  # run numbers restart with every world
-            with self._done_lock:
-                self._done.pop(run, None)  # the output box goes with its last chunk
+        """Dask is done with rechunk ``name`` (its barrier task was released or forgotten): drop what it staged
+        here and the result of its run ``run``. A run that has not ended here yet (the rechunk was cancelled
+        while its collective ran) is marked dropped: it still runs in its turn, as every PE must, but keeps
+        nothing, and output tasks still waiting for it wake with an error."""
+        released = None
+        with self._lock:
+            self._staged.pop(name, None)
+            if run is not None and epoch == self.epoch:  # run numbers restart with every world
+                released = self._done.pop(run, None)  # the output box goes with its last chunk
+                if run >= self._next_seq or (released is not None and not released.done()):
+                    self._dropped.add(run)
+        if released is not None and not released.done():
+            released.set_exception(PGASWorldError(f"{name} was released before its collective ended"))
 
     def _h_fail(self, message: str, epoch: int) -> None:
         if epoch == self.epoch:
             self.broken = message
             if self._thread.busy_since is not None or self._pending:
                 self.poisoned = True  # stuck in (or queued behind) a collective with a dead peer
-            self._staged.clear()
+            with self._lock:
+                self._staged.clear()
             error = PGASWorldError(message)
             for _, fut in self._pending.values():  # runs waiting for an earlier one that will never come
                 if not fut.done():
@@ -366,8 +376,9 @@ class PGASWorkerPlugin(WorkerPlugin):
             self._fail_waiting(error)
 
     def _fail_waiting(self, exc: BaseException) -> None:
-        with self._done_lock:
+        with self._lock:
             waiting, self._done = list(self._done.values()), {}
+            self._dropped.clear()
         for fut in waiting:
             if not fut.done():
                 fut.set_exception(exc)
@@ -424,9 +435,10 @@ class PGASWorkerPlugin(WorkerPlugin):
         self._plans.clear()
         for kind in sorted(self._buffers):
             free_symmetric_memory(self._buffers.pop(kind))
-        self._staged.clear()
-        with self._done_lock:
+        with self._lock:
+            self._staged.clear()
             self._done.clear()
+            self._dropped.clear()
         self._pool.clear()
         self._scratch_buf = None
         runtime.finalize()
@@ -476,26 +488,38 @@ class PGASWorkerPlugin(WorkerPlugin):
         return plan
 
     def _run_and_signal(self, name: str, seq: int) -> dict:
-        done = self._run_done(seq)
         try:
-            info, result = self._run(name)
+            info, result = self._run(name, seq)
         except BaseException as exc:
-            if not done.done():
-                done.set_exception(exc)
+            self._signal(seq, exc=exc)
             raise
-        if not done.done():
-            done.set_result(result)
+        self._signal(seq, result=result)
         return info
 
-    def _run(self, name: str) -> tuple[dict, Any]:
+    def _signal(self, seq: int, result: Any = None, exc: BaseException | None = None) -> None:
+        """Wake the output tasks waiting for run ``seq``; a dropped run's result is not kept."""
+        with self._lock:
+            self._dropped.discard(seq)
+            done = self._done.get(seq)
+        if done is not None and not done.done():
+            if exc is not None:
+                done.set_exception(exc)
+            else:
+                done.set_result(result)
+
+    def _run(self, name: str, seq: int) -> tuple[dict, Any]:
         from .. import runtime
 
-        staged = self._staged.pop(name, None)
+        with self._lock:
+            dropped = seq in self._dropped
+            staged = None if dropped else self._staged.pop(name, None)
         engines = [runtime.get_engine(b) for b in runtime.initialized_backends()]
         control = engines[0].control
         local_error = None
         if self.broken:
             local_error = self.broken
+        elif dropped:
+            local_error = f"{name} was released (cancelled) before its collective ran on PE {self.pe}"
         elif staged is None:
             local_error = f"no input staged for {name} on PE {self.pe}"
         # Symmetric buffers grow collectively from the spec, so with such an engine in the world every rank

@@ -327,3 +327,37 @@ def test_cancelled_rechunk_computes_again(client, tmp_path):
         time.sleep(0.02)
     open(flag, "w").close()
     np.testing.assert_array_equal(host(y.compute()), ref)
+
+
+def test_rechunk_cancelled_inside_its_collective_computes_again(client):
+    """Cancel a rechunk while its collective runs (slowed by ``_delay``) and compute it again at once: the new
+    attempt runs a collective of its own instead of being handed the cancelled run, whose result its workers had
+    already been told to drop; afterwards no worker keeps the result of either run."""
+    import time
+
+    p = dask_pgas.world(client).npes
+    if p < 2:
+        pytest.skip("needs two PEs")
+    ref = _reference((40, 20 * p), "float64")
+    x = on_device(da.from_array(ref, chunks=(40, 20)))
+    y = dask_pgas.rechunk(x, (10, 20 * p), _delay=1.5)
+
+    def active_runs(dask_scheduler):
+        return len(dask_scheduler.plugins["dask-pgas"]._runs)
+
+    fut = client.compute(y)
+    deadline = time.monotonic() + 60
+    while client.run_on_scheduler(active_runs) == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not fut.done()
+    fut.cancel()
+    del fut
+    np.testing.assert_array_equal(host(y.compute()), ref)
+
+    def results_held(dask_worker):
+        return len(dask_worker.plugins["dask-pgas"]._done)
+
+    while sum(client.run(results_held).values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.run(results_held) == {w: 0 for w in dask_pgas.world(client).workers}
+    assert dask_pgas.world(client).broken is None

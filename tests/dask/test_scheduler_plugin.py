@@ -78,3 +78,51 @@ def test_closed_connection_during_a_run_reads_as_a_lost_member():
     assert "worker w1 (PE 1) left the PGAS world: its connection closed" in result["message"]
     assert plugin.broken and "left the PGAS world" in plugin.broken
     assert plugin.scheduler.sent  # every member is told
+
+
+def test_barrier_call_of_a_released_rechunk_starts_no_run():
+    """A barrier task's late call, after Dask released the rechunk (a cancel), must not number a run: no
+    transfer staged anything for it."""
+    import asyncio
+
+    plugin = _plugin()
+    result = asyncio.run(plugin.barrier("pgas-rechunk-abc", 1))
+    assert result["status"] == "error" and "released before its collective started" in result["message"]
+    assert plugin._seq == 0 and plugin._runs == {}
+
+
+def test_rechunk_released_during_its_run_gets_a_new_run():
+    """Cancelled while its collective runs, then computed again: the new attempt gets a run of its own, and the
+    old run's result, once it ends, is not handed to the new attempt's barrier."""
+    import asyncio
+
+    class _Rpc:
+        release = None
+
+        def __init__(self, addr):
+            pass
+
+        async def pgas_start(self, name, seq, epoch):
+            await _Rpc.release.wait()
+            return {"status": "OK", "pe": 0, "seconds": 0.0}
+
+    async def main():
+        _Rpc.release = asyncio.Event()
+        plugin = _plugin()
+        plugin._last_seq.clear()
+        plugin._lock = asyncio.Lock()
+        plugin.scheduler.rpc = _Rpc
+        name = "pgas-rechunk-abc"
+        first = plugin._start(name, 1)
+        plugin.transition("pgas-barrier-abc", "waiting", "released")
+        plugin.transition("pgas-barrier-abc", "released", "forgotten")  # the cancel
+        assert plugin._runs == {} and plugin._describe()["active_runs"] == [name]
+        assert (await plugin.teardown())["message"] == f"rechunks still running: {[name]}"
+        second = plugin._start(name, 1)  # the new attempt's transfers are done
+        assert (first.seq, second.seq) == (0, 1)
+        _Rpc.release.set()
+        await asyncio.gather(first.task, second.task)
+        assert (await plugin.barrier(name, 1))["run"] == 1
+        assert plugin._describe()["active_runs"] == []
+
+    asyncio.run(main())
