@@ -14,6 +14,7 @@
 #            the notebook on 1 and 2 GPU workers, the failure tests, 1 GPU worker); s5-upload, upload2, s6-nb.
 # Session 7: s5-upload, upload2, s7-run (part-ac); then s7-p2p (.whl only); s5-upload, upload2, s7-peers;
 #            s5-upload, upload2, s7-final.
+# Session 8: s5-upload, upload2, s8-run (part-ac).
 # Phase 1 runs correctness jobs side by side (they share the GPU); phase 2 runs the timed jobs one at a time.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/stage /tmp/site
@@ -378,6 +379,15 @@ if [ "${1:-run}" = s7-cancel ]; then  # session 7 (part-ac): s7-final's one fail
       env DASK_PGAS_TEST_GPU_WORKERS=4 python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py -k cancelled
   done
   finish s7c
+fi
+if [ "${1:-run}" = s8-run ]; then  # session 8 (part-ac): runs cancelled inside their collective; Dask suites
+  dask_block s8 nofail
+  for i in 1 2 3 4 5; do
+    step "cancel tests, 4 GPU workers, try $i" 60 "$OUT/s8-cancel.log" \
+      env DASK_PGAS_TEST_GPU_WORKERS=4 python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py -k cancelled
+  done
+  failure_tests "$OUT/s8-failure.log"
+  finish s8
 fi
 if [ "${1:-run}" = s4-run ]; then  # session 4 (after upload, upload2): Dask suites on the final tree, full-heap test
   dask_block s4
