@@ -205,6 +205,73 @@ def test_concurrent_rechunks_from_two_threads(client):
         np.testing.assert_array_equal(host(got), ref + i)
 
 
+def _bookkeeping(client) -> dict:
+    """What the scheduler and worker plugins still hold about rechunks (all empty when nothing is in flight)."""
+
+    def scheduler_side(dask_scheduler):
+        plugin = dask_scheduler.plugins["dask-pgas"]
+        names = ("_runs", "_detached", "_finished", "_ready", "_pinned", "_barriers", "_last_seq")
+        return {name: len(getattr(plugin, name)) for name in names}
+
+    def worker_side(dask_worker):
+        plugin = dask_worker.plugins["dask-pgas"]
+        return {name: len(getattr(plugin, name)) for name in ("_done", "_dropped", "_staged", "_pending")}
+
+    held = {"scheduler": client.run_on_scheduler(scheduler_side), **client.run(worker_side)}
+    return {where: {k: n for k, n in counts.items() if n} for where, counts in held.items()}
+
+
+def test_random_rechunks_cancels_and_chains_from_threads_leave_nothing_behind(client):
+    """Three threads mix rechunks of persisted and lazy inputs, cancels followed by a recompute, chains of two
+    rechunks, persists and runs through the collective; every result equals NumPy, and once all is released
+    neither the scheduler nor any worker keeps a run, a staged input, a result or a pin."""
+    import random
+    import time
+
+    ref = _reference((120, 90), "float64")
+    errors = []
+
+    def work(seed):
+        rng = random.Random(seed)
+        for i in range(10):
+            cin = (rng.choice([10, 30, 40, 120]), rng.choice([9, 30, 45, 90]))
+            cout = (rng.choice([7, 20, 60, 120]), rng.choice([10, 30, 90]))
+            x = on_device(da.from_array(ref, chunks=cin))
+            if rng.random() < 0.3:
+                x = x.persist()
+            y = dask_pgas.rechunk(x, cout)
+            op = rng.random()
+            try:
+                if op < 0.25:
+                    fut = client.compute(y)
+                    time.sleep(rng.uniform(0, 0.03))
+                    fut.cancel()
+                    np.testing.assert_array_equal(host(y.compute()), ref)
+                elif op < 0.5:
+                    np.testing.assert_array_equal(host((dask_pgas.rechunk(y, cin) + 1).compute()), ref + 1)
+                elif op < 0.75:
+                    kept = y.persist()
+                    np.testing.assert_array_equal(host(kept.compute()), ref)
+                    del kept
+                else:
+                    with dask.config.set({"pgas.local-rechunk": False}):
+                        np.testing.assert_array_equal(host(dask_pgas.rechunk(x, cout).compute()), ref)
+            except Exception as exc:  # pragma: no cover - reported below
+                errors.append((seed, i, op, cin, cout, exc))
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert not errors, errors
+    deadline = time.monotonic() + 30
+    while any(_bookkeeping(client).values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any((held := _bookkeeping(client)).values()), held
+    assert dask_pgas.world(client).broken is None
+
+
 @cpu_only
 def test_install_dispatch_and_passthrough(client):
     x = da.ones((40, 40), chunks=(40, 10))
