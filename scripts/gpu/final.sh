@@ -12,6 +12,7 @@
 #             with CuPy, torch and NumPy at 2-4 PEs (side by side)
 #   mps       gpu_checks, the CuPy core suite and the Dask suite at 2 and 4 PEs under MPS
 #   dask      the Dask suite on 1, 2 and 4 GPU workers and on 2 outside MPI (side by side), then the failure tests
+#   dask4     the Dask suite on 4 GPU workers alone (a quick check after a change to the Dask layer)
 #   cancel    the two cancel tests, 5 times on 4 GPU workers
 #   notebook  notebooks/01_pgas_rechunk.ipynb cell by cell on 1 and 2 GPU workers (1 GiB)
 #   demo      the README's main job (embedded default: one worker per GPU)
@@ -109,6 +110,10 @@ job_dask() {
   step "dask failure tests, 3 GPU workers (kill) and 2 (full heap)" 200 "$OUT/dask-failure.log" \
     env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -rA -p no:cacheprovider tests/dask/test_failure.py
   grep -h "passed\|failed" "$OUT"/dask*.log >>"$S" 2>/dev/null
+}
+job_dask4() {
+  dask_suite 4 200 "$OUT/dask4.log"
+  grep -h "passed\|failed" "$OUT/dask4.log" >>"$S" 2>/dev/null
 }
 job_cancel() {
   for i in 1 2 3 4 5; do
