@@ -182,6 +182,15 @@ def test_lazy_composable(client):
         dask_pgas.uninstall()
 
 
+def _run_in_threads(work, n: int) -> None:
+    """``work(0)`` ... ``work(n - 1)`` at once, each in its own thread."""
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+
+
 def test_concurrent_rechunks_from_two_threads(client):
     ref = _reference((120, 90), "float32")
     x = on_device(da.from_array(ref, chunks=(120, 10)))
@@ -195,11 +204,7 @@ def test_concurrent_rechunks_from_two_threads(client):
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(240)
+    _run_in_threads(work, 2)
     assert not errors, errors
     for (i, _), got in results.items():
         np.testing.assert_array_equal(host(got), ref + i)
@@ -259,11 +264,7 @@ def test_random_rechunks_cancels_and_chains_from_threads_leave_nothing_behind(cl
             except Exception as exc:  # pragma: no cover - reported below
                 errors.append((seed, i, op, cin, cout, exc))
 
-    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(240)
+    _run_in_threads(work, 3)
     assert not errors, errors
     deadline = time.monotonic() + 30
     while any(_bookkeeping(client).values()) and time.monotonic() < deadline:
