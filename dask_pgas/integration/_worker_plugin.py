@@ -351,15 +351,14 @@ class PGASWorkerPlugin(WorkerPlugin):
         here and the result of its run ``run``. A run that has not ended here yet (the rechunk was cancelled
         while its collective ran) is marked dropped: it still runs in its turn, as every PE must, but keeps
         nothing, and output tasks still waiting for it wake with an error."""
-        released = None
-        with self._lock:
+        with self._lock:  # (one lock with _signal: a run ends here either before this or after it)
             self._staged.pop(name, None)
             if run is not None and epoch == self.epoch:  # run numbers restart with every world
                 released = self._done.pop(run, None)  # the output box goes with its last chunk
                 if run >= self._next_seq or (released is not None and not released.done()):
                     self._dropped.add(run)
-        if released is not None and not released.done():
-            released.set_exception(PGASWorldError(f"{name} was released before its collective ended"))
+                    if released is not None:
+                        released.set_exception(PGASWorldError(f"{name} was released before its collective ended"))
 
     def _h_fail(self, message: str, epoch: int) -> None:
         if epoch == self.epoch:
@@ -501,11 +500,11 @@ class PGASWorkerPlugin(WorkerPlugin):
         with self._lock:
             self._dropped.discard(seq)
             done = self._done.get(seq)
-        if done is not None and not done.done():
-            if exc is not None:
-                done.set_exception(exc)
-            else:
-                done.set_result(result)
+            if done is not None and not done.done():
+                if exc is not None:
+                    done.set_exception(exc)
+                else:
+                    done.set_result(result)
 
     def _run(self, name: str, seq: int) -> tuple[dict, Any]:
         from .. import runtime
