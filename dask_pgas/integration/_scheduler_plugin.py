@@ -107,7 +107,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             "workers": list(self.world),
             "backends": list(self.backends),
             "broken": self.broken,
-            "active_runs": sorted({r.name for r in self._in_flight()}),
+            "active_runs": self._active(),
         }
 
     async def describe_world(self, detail: bool = False, keys: list | None = None) -> dict:
@@ -129,6 +129,10 @@ class PGASSchedulerPlugin(SchedulerPlugin):
     def _in_flight(self) -> list[_Run]:
         return [*self._runs.values(), *self._detached]
 
+    def _active(self) -> list[str]:
+        """Names of the rechunks with a run in flight (detached ones included: their workers are still in it)."""
+        return sorted({r.name for r in self._in_flight()})
+
     async def _call(self, workers, op: str, timeout: float | None = None, **kwargs) -> dict[str, Any]:
         async def one(addr):
             return await self.scheduler.rpc(addr).__getattr__(op)(**kwargs)
@@ -143,7 +147,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         async with self._lock:
             if self.world and not self.broken and all(w in self.scheduler.workers for w in self.world):
                 return {"status": "OK", **self._describe()}
-            if runs := self._describe()["active_runs"]:
+            if runs := self._active():
                 return {"status": "error", "message": f"rechunks still running: {runs}"}
             workers = list(self.scheduler.workers)
             if not workers:
@@ -224,7 +228,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
 
     async def teardown(self) -> dict:
         async with self._lock:
-            if runs := self._describe()["active_runs"]:
+            if runs := self._active():
                 return {"status": "error", "message": f"rechunks still running: {runs}"}
             if not self.world:
                 return {"status": "OK", "workers": {}}
