@@ -34,7 +34,10 @@ class _Run:
     def __init__(self, name: str, seq: int) -> None:
         self.name = name
         self.seq = seq
-        self.failed: asyncio.Future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self.failed: asyncio.Future = loop.create_future()
+        self.ended: asyncio.Future = loop.create_future()  # its collective has ended on every member (or failed)
+        self.after: asyncio.Future | None = None  # the previous run's ``ended``: members run this one after it
         self.task: asyncio.Future | None = None
         self.error: str | None = None  # why it could not start
 
@@ -63,6 +66,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         self._ready: dict[str, set] = {}  # run name -> PEs whose transfer task is in memory
         self._finished: dict[str, dict] = {}  # run name -> result of its last run (for its barrier tasks)
         self._last_seq: dict[str, int] = {}  # run name -> number of its last run (its workers' state)
+        self._tail: asyncio.Future | None = None  # ``ended`` of the last numbered run
         self._lock: asyncio.Lock | None = None
 
     async def start(self, scheduler) -> None:
@@ -183,11 +187,13 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                     "available on all of them: start the workers with dask_pgas.LocalMPICluster, dask-mpi "
                     "(--worker-class distributed.Worker) or mpiexec, or use GPU workers with NVSHMEM",
                 }
-            # a previous intact world is torn down collectively first
+            # a previous intact world is torn down collectively first (and ends before: no run may start on it)
             if self.world and not self.broken:
-                await self._call(list(self.world), "pgas_teardown", timeout=timeout)
+                old, self.world = list(self.world), ()
+                await self._call(old, "pgas_teardown", timeout=timeout)
             self.epoch += 1
             self._seq = 0
+            self._tail = None
             self._ready.clear()
             self._last_seq.clear()
             epoch = self.epoch
@@ -198,7 +204,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                         epoch=epoch, ranks=[ranks[w] for w in order], backends=backends,
                     )
                 else:
-                    uid = await self.scheduler.rpc(order[0]).pgas_uniqueid()
+                    uid = await asyncio.wait_for(self.scheduler.rpc(order[0]).pgas_uniqueid(), timeout)
                     coros = [
                         self.scheduler.rpc(w).pgas_init(
                             epoch=epoch, ranks=None, backends=backends, uid=uid, pe=pe, npes=len(order)
@@ -233,12 +239,14 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             if not self.world:
                 return {"status": "OK", "workers": {}}
             members = [w for w in self.world if w in self.scheduler.workers]
-            if self.broken:
-                self.world = ()
-                return {"status": "error", "message": f"the world is broken ({self.broken}); restart the cluster"}
-            res = await self._call(members, "pgas_teardown", timeout=parse_timedelta("120s"))
+            broken = self.broken
+            # the world ends now, before the members finalize: a rechunk whose last transfer task lands
+            # meanwhile gets a clear error instead of a run on PEs that are tearing down
             self.world = ()
             self.backends = ()
+            if broken:
+                return {"status": "error", "message": f"the world is broken ({broken}); restart the cluster"}
+            res = await self._call(members, "pgas_teardown", timeout=parse_timedelta("120s"))
             errors = {w: r for w, r in res.items() if isinstance(r, BaseException) or r["status"] != "OK"}
             if errors:
                 return {"status": "error", "message": str(errors)}
@@ -279,6 +287,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         run.error = error
         if error is None:
             self._last_seq[name] = seq
+            run.after, self._tail = self._tail, run.ended
         self._runs[name] = run
         run.task = asyncio.ensure_future(self._drive(run, epoch))
         return run
@@ -294,6 +303,8 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                 self._break(f"pgas rechunk {name}: the scheduler could not drive the collective: {exc!r}")
                 result = {"status": "error", "message": self.broken}
         finally:
+            if not run.ended.done():
+                run.ended.set_result(None)
             current = self._runs.get(name) is run
             if current:
                 del self._runs[name]
@@ -306,30 +317,38 @@ class PGASSchedulerPlugin(SchedulerPlugin):
 
     async def _collective(self, run: _Run, epoch: int) -> dict:
         name, seq = run.name, run.seq
+        if self.broken or run.failed.done():  # the world broke between numbering and now: send nothing
+            return {"status": "error", "message": self.broken or f"{name}: {run.failed.result()}"}
         timeout = parse_timedelta(dask.config.get("pgas.collective-timeout", "120s"))
         tasks = {
             asyncio.ensure_future(self.scheduler.rpc(w).pgas_start(name=name, seq=seq, epoch=epoch)): w
             for w in self.world
         }
         remaining_tasks = set(tasks)
-        deadline = asyncio.get_running_loop().time() + timeout
+        loop = asyncio.get_running_loop()
+        # Members run collectives one after another: the clock of this run starts when the previous one has
+        # ended (a run queued behind others is not late), and the previous run has a watchdog of its own.
+        after = run.after
+        deadline = None
         message = None
         fatal = True
         infos = []
         try:
             while remaining_tasks:
-                left = deadline - asyncio.get_running_loop().time()
-                if left <= 0:
+                if deadline is None and (after is None or after.done()):
+                    deadline = loop.time() + timeout
+                left = None if deadline is None else deadline - loop.time()
+                if left is not None and left <= 0:
                     late = sorted(tasks[t] for t in remaining_tasks)
                     message = (f"{name}: the collective did not finish within pgas.collective-timeout="
                                f"{timeout}s on {late}")
                     break
-                done, _ = await asyncio.wait(remaining_tasks | {run.failed}, timeout=left,
-                                             return_when=asyncio.FIRST_COMPLETED)
+                waiting = remaining_tasks | {run.failed} | ({after} if deadline is None else set())
+                done, _ = await asyncio.wait(waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED)
                 if run.failed.done():
                     message = f"{name}: {run.failed.result()}"
                     break
-                for t in done:
+                for t in done & remaining_tasks:
                     remaining_tasks.discard(t)
                     try:
                         r = t.result()
@@ -386,6 +405,12 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             ts = scheduler.tasks.get(key)
             if ts is not None and isinstance(ts.run_spec, BarrierTask):
                 self._barriers.add(key)
+                if self.world and not self.broken:
+                    # on a member: a barrier recomputed after its worker left would start the run again
+                    # (with its inputs consumed); a member's loss breaks the world anyway
+                    ts.worker_restrictions = set(self.world)
+                    ts.loose_restrictions = False
+                continue
             if ts is not None and isinstance(ts.run_spec, PieceTask):
                 # slice where the chunk is (unrestricted, a task with one small dependency group may be
                 # queued and placed anywhere, shipping the whole chunk first); loose: any worker if it moved

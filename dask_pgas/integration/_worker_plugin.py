@@ -188,6 +188,7 @@ class PGASWorkerPlugin(WorkerPlugin):
         # and take no input staged since (that belongs to the next attempt of the same rechunk)
         self._dropped: set[int] = set()
         self._next_seq = 0
+        self._current: tuple[int, float] | None = None  # (seq, monotonic start) of the run on the thread
         self._buffers: dict[str, Any] = {}
         self._scratch_buf = None
         self._plans: OrderedDict = OrderedDict()
@@ -209,6 +210,18 @@ class PGASWorkerPlugin(WorkerPlugin):
         # Not collective (workers close one at a time): memory goes with the process.
         # dask_pgas.teardown(client) frees everything collectively beforehand.
         self._thread.stop()
+
+    def transition(self, key, start: str, finish: str, **kwargs) -> None:
+        """A transfer task cancelled while it executed (its rechunk was released) may have staged after the
+        rechunk's ``pgas-forget`` reached this worker: drop that input once the task is released here."""
+        if start != "cancelled" or not (type(key) is tuple and isinstance(key[0], str)
+                                        and key[0].startswith("pgas-transfer-")):
+            return
+        ts = self.worker.state.tasks.get(key)
+        if ts is not None and ts.state not in ("released", "forgotten"):  # still executing, or resumed
+            return
+        with self._lock:
+            self._staged.pop("pgas-rechunk-" + key[0][len("pgas-transfer-"):], None)
 
     # ---------------------------------------------------------------- state seen by tasks
     def check(self, pe: int, epoch: int) -> None:
@@ -242,7 +255,6 @@ class PGASWorkerPlugin(WorkerPlugin):
         other tasks, and a failed or broken run wakes them with its error.
         """
         self.check(pe, epoch)
-        timeout = dask.utils.parse_timedelta(dask.config.get("pgas.collective-timeout", "120s")) + 30
         with self._lock:
             done = self._done.get(run)
             if done is None and run >= self._next_seq and run not in self._dropped:  # not started here yet
@@ -252,13 +264,32 @@ class PGASWorkerPlugin(WorkerPlugin):
                 f"the output of {name} is not on {self.worker.address}; it was released or the world was "
                 "re-bootstrapped: compute the rechunk again"
             )
-        try:
-            result = done.result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
-            raise PGASWorldError(f"{name} did not finish on {self.worker.address} within {timeout:.0f}s") from None
+        timeout = dask.utils.parse_timedelta(dask.config.get("pgas.collective-timeout", "120s")) + 30
+        result = self._wait(done, run, name, timeout)
         # a view: the box is this run's own array (results never alias the symmetric buffers), so a copy per
         # chunk would only double the memory traffic; the box's memory goes back to the pool with its last chunk
         return result if whole else result[box_slices]
+
+    def _wait(self, done: concurrent.futures.Future, run: int, name: str, timeout: float) -> Any:
+        """The result of run ``run`` here. The scheduler's watchdog fails a run that hangs (and wakes this
+        wait); as a backstop the wait gives up ``timeout`` seconds after the run began on this PE, not
+        counting the time it spent queued behind earlier runs."""
+        deadline = None
+        while True:
+            now = time.monotonic()
+            if deadline is None:
+                current = self._current
+                if current is not None and current[0] >= run:
+                    deadline = (current[1] if current[0] == run else now) + timeout
+                elif self._next_seq > run and current is None:  # ended between the two reads
+                    deadline = now + timeout
+            try:
+                return done.result(timeout=min(1.0, timeout) if deadline is None else max(deadline - now, 0.0))
+            except concurrent.futures.TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise PGASWorldError(
+                        f"{name} did not finish on {self.worker.address} within {timeout:.0f}s"
+                    ) from None
 
     # ---------------------------------------------------------------- handlers (event loop)
     def heap_bytes(self) -> int:
@@ -314,6 +345,8 @@ class PGASWorkerPlugin(WorkerPlugin):
         if epoch != self.epoch:
             return {"status": "error", "fatal": True,
                     "message": f"{self.worker.address} is in world #{self.epoch}, not #{epoch}"}
+        if self.broken:  # a start that the world's failure overtook (it travels on another connection)
+            return {"status": "error", "fatal": True, "message": f"PE {self.pe} ({self.worker.address}): {self.broken}"}
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._pending[seq] = (name, fut)
         while self._next_seq in self._pending:  # submit in the global order, whatever the arrival order
@@ -487,11 +520,14 @@ class PGASWorkerPlugin(WorkerPlugin):
         return plan
 
     def _run_and_signal(self, name: str, seq: int) -> dict:
+        self._current = (seq, time.monotonic())
         try:
             info, result = self._run(name, seq)
         except BaseException as exc:
             self._signal(seq, exc=exc)
             raise
+        finally:
+            self._current = None
         self._signal(seq, result=result)
         return info
 
@@ -512,12 +548,12 @@ class PGASWorkerPlugin(WorkerPlugin):
         with self._lock:
             dropped = seq in self._dropped
             staged = None if dropped else self._staged.pop(name, None)
+        if self.broken:  # a peer is gone (or the world failed): no agreement could complete
+            raise PGASWorldError(self.broken)
         engines = [runtime.get_engine(b) for b in runtime.initialized_backends()]
         control = engines[0].control
         local_error = None
-        if self.broken:
-            local_error = self.broken
-        elif dropped:
+        if dropped:
             local_error = f"{name} was released (cancelled) before its collective ran on PE {self.pe}"
         elif staged is None:
             local_error = f"no input staged for {name} on PE {self.pe}"
@@ -601,7 +637,8 @@ class PGASWorkerPlugin(WorkerPlugin):
         if buffers is None and len(pieces) == 1:
             chunk_slices, box_slices = pieces[0]
             view = arrays[0][chunk_slices]
-            if view.shape == in_box.shape and view.dtype == dtype and view.flags.c_contiguous:
+            if (type(view) is np.ndarray and view.shape == in_box.shape and view.dtype == dtype
+                    and view.flags.c_contiguous):
                 src = view
         if src is None:  # operands off the heap (MPI) pack into local scratch memory: no collective
             buf = buffers[0] if buffers else self._scratch(in_box.size * dtype.itemsize)

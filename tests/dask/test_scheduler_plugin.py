@@ -126,3 +126,151 @@ def test_rechunk_released_during_its_run_gets_a_new_run():
         assert plugin._describe()["active_runs"] == []
 
     asyncio.run(main())
+
+
+class _QueueingRpc:
+    """Members that run collectives one after another, each taking ``seconds``; a log of the starts sent."""
+
+    seconds = 0.0
+    log: list = []
+    ends: dict = {}  # (addr, seq) -> loop time the run ends on that member
+
+    def __init__(self, addr):
+        self.addr = addr
+
+    async def pgas_start(self, name, seq, epoch):
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        _QueueingRpc.log.append((self.addr, "pgas_start"))
+        begin = max(loop.time(), _QueueingRpc.ends.get((self.addr, seq - 1), 0.0))
+        end = _QueueingRpc.ends[(self.addr, seq)] = begin + _QueueingRpc.seconds
+        await asyncio.sleep(end - loop.time())
+        return {"status": "OK", "pe": 0, "seconds": _QueueingRpc.seconds}
+
+
+def test_runs_queued_behind_each_other_are_timed_from_their_own_start():
+    """Three rechunks started together: each collective takes 0.3 s on the members, so the third ends after
+    0.9 s. With a 0.5 s collective timeout none is late; the clock of a run starts when the run before it
+    has ended (it used to start when the run was sent, which broke the world)."""
+    import asyncio
+
+    import dask
+
+    async def main():
+        plugin = _plugin()
+        plugin._last_seq.clear()
+        plugin.scheduler.rpc = _QueueingRpc
+        _QueueingRpc.seconds, _QueueingRpc.log, _QueueingRpc.ends = 0.3, [], {}
+        runs = [plugin._start(f"pgas-rechunk-{i}", 1) for i in range(3)]
+        return plugin, await asyncio.gather(*(r.task for r in runs))
+
+    with dask.config.set({"pgas.collective-timeout": "0.5s"}):
+        plugin, results = asyncio.run(main())
+    assert [r["status"] for r in results] == ["OK"] * 3, results
+    assert plugin.broken is None
+
+
+def test_a_run_that_overruns_its_own_turn_still_times_out():
+    import asyncio
+
+    import dask
+
+    async def main():
+        plugin = _plugin()
+        plugin._last_seq.clear()
+        plugin.scheduler.rpc = _QueueingRpc
+        _QueueingRpc.seconds, _QueueingRpc.log, _QueueingRpc.ends = 0.6, [], {}
+        return plugin, await asyncio.wait_for(plugin._start("pgas-rechunk-a", 1).task, 5)
+
+    with dask.config.set({"pgas.collective-timeout": "0.3s"}):
+        plugin, result = asyncio.run(main())
+    assert result["status"] == "error" and "did not finish within pgas.collective-timeout" in result["message"]
+    assert plugin.broken
+
+
+def _transfers_done(plugin, name="abc", npes=2):
+    from types import SimpleNamespace
+
+    from dask_pgas.integration._graph import PinnedTask, transfer
+
+    for pe in range(npes):
+        key = (f"pgas-transfer-{name}", pe)
+        plugin.scheduler.tasks[key] = SimpleNamespace(
+            run_spec=PinnedTask(key, transfer, f"pgas-rechunk-{name}", pe, 1, None, (), pe=pe, epoch=1, npes=npes))
+    for pe in range(npes):
+        plugin.transition((f"pgas-transfer-{name}", pe), "processing", "memory")
+
+
+def test_no_run_starts_on_a_world_that_is_being_torn_down():
+    """The last transfer task of a rechunk landing while the members finalize gets an error, not a run sent
+    to PEs that are tearing down."""
+    import asyncio
+    from types import SimpleNamespace
+
+    class _Rpc(_QueueingRpc):
+        gate = None
+
+        async def pgas_teardown(self):
+            _QueueingRpc.log.append((self.addr, "pgas_teardown"))
+            await _Rpc.gate.wait()
+            return {"status": "OK"}
+
+        def __getattr__(self, op):  # the plugin's _call spells rpc(addr).__getattr__(op)
+            return object.__getattribute__(self, op)
+
+    async def main():
+        plugin = _plugin()
+        plugin._last_seq.clear()
+        plugin._lock = asyncio.Lock()
+        plugin.scheduler.rpc = _Rpc
+        _QueueingRpc.log, _Rpc.gate = [], asyncio.Event()
+        teardown = asyncio.ensure_future(plugin.teardown())
+        await asyncio.sleep(0.01)  # pgas_teardown is in flight on both members
+        _transfers_done(plugin)
+        await asyncio.sleep(0.01)
+        _Rpc.gate.set()
+        plugin.scheduler.tasks["pgas-barrier-abc"] = SimpleNamespace(state="processing")
+        return await teardown, await plugin.barrier("pgas-rechunk-abc", 1)
+
+    done, barrier = asyncio.run(main())
+    assert done["status"] == "OK"
+    assert ("w0", "pgas_start") not in _QueueingRpc.log, _QueueingRpc.log
+    assert barrier["status"] == "error" and "build the rechunk again" in barrier["message"]
+
+
+def test_no_start_is_sent_once_the_world_broke():
+    """A member lost between a run's numbering and its first step: the survivors get the failure and no
+    start after it (a start arriving after the failure would enter a collective with a dead peer)."""
+    import asyncio
+
+    async def main():
+        plugin = _plugin()
+        plugin._last_seq.clear()
+        plugin.scheduler.rpc = _QueueingRpc
+        _QueueingRpc.log = []
+        _transfers_done(plugin)  # numbers run 0; its driver has not run yet
+        plugin.scheduler.workers.pop("w1")
+        plugin.remove_worker(plugin.scheduler, "w1", stimulus_id="test")
+        result = await asyncio.wait_for(plugin._runs["pgas-rechunk-abc"].task, 5)
+        return plugin, result
+
+    plugin, result = asyncio.run(main())
+    assert _QueueingRpc.log == [], _QueueingRpc.log
+    assert result["status"] == "error" and "left the PGAS world" in result["message"]
+    assert [m["w0"][0]["op"] for m in plugin.scheduler.sent] == ["pgas-fail"]
+
+
+def test_barriers_run_on_world_members():
+    """A barrier on a worker outside the world, lost with it, would be recomputed and start the run again
+    with its inputs consumed: barriers are restricted to the members."""
+    from types import SimpleNamespace
+
+    from dask_pgas.integration._graph import BarrierTask, barrier
+
+    plugin = _plugin()
+    ts = SimpleNamespace(run_spec=BarrierTask("pgas-barrier-abc", barrier, "pgas-rechunk-abc", 1),
+                         worker_restrictions=None, loose_restrictions=True)
+    plugin.scheduler.tasks["pgas-barrier-abc"] = ts
+    plugin.update_graph(plugin.scheduler, tasks=["pgas-barrier-abc"])
+    assert ts.worker_restrictions == {"w0", "w1"} and ts.loose_restrictions is False

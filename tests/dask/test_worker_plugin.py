@@ -62,3 +62,110 @@ def test_forget_of_another_world_touches_no_run(plugin):
     plugin._staged["pgas-rechunk-a"] = ("spec", (), ())
     plugin._h_forget("pgas-rechunk-a", run=3, epoch=0)
     assert set(plugin._done) == {3} and plugin._dropped == set() and plugin._staged == {}
+
+
+class _Control:
+    """An agreement among PEs of which one is dead: it never returns (here: until released)."""
+
+    def __init__(self):
+        import threading
+
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def agree(self, error):
+        self.entered.set()
+        self.release.wait(30)
+        return [(0, error)] if error else []
+
+
+def test_start_that_the_world_failure_overtook_enters_no_collective(plugin, monkeypatch):
+    """pgas_start travels on an RPC connection and pgas-fail on the batched stream, so the fail can arrive
+    first, at an idle worker. The late start must not enter an agreement with the dead peer (it would block
+    the collective thread for good, on a worker not marked poisoned)."""
+    import asyncio
+
+    from dask_pgas import runtime
+
+    control = _Control()
+    engine = SimpleNamespace(control=control, requires_symmetric_operands=False)
+    monkeypatch.setattr(runtime, "initialized_backends", lambda: ("mpi",))
+    monkeypatch.setattr(runtime, "get_engine", lambda name: engine)
+
+    async def main():
+        plugin._h_fail("worker w1 (PE 1) left the PGAS world", epoch=1)
+        return await asyncio.wait_for(plugin._h_start("pgas-rechunk-a", 0, 1), 5)
+
+    try:
+        reply = asyncio.run(main())
+    finally:
+        control.release.set()
+    assert not control.entered.is_set()
+    assert reply["status"] == "error" and reply["fatal"] and "left the PGAS world" in reply["message"]
+    # a run already queued on the thread when the fail arrives gives up before its agreement as well
+    plugin._staged["pgas-rechunk-b"] = ("spec", (), ())
+    with pytest.raises(PGASWorldError, match="left the PGAS world"):
+        plugin._run("pgas-rechunk-b", 1)
+    assert not control.entered.is_set()
+
+
+def test_run_queued_behind_others_is_waited_for_from_its_own_start(plugin):
+    """An output task's backstop timeout counts from its run's start on this PE, not from its dispatch:
+    a run queued behind earlier runs is not late."""
+    import threading
+    import time
+
+    plugin._next_seq = 3
+    done = plugin._done[2] = concurrent.futures.Future()
+    plugin._current = (1, time.monotonic())  # run 1 is on the collective thread; run 2 waits behind it
+
+    def collective_thread():
+        time.sleep(0.6)  # run 1 takes longer than the timeout below
+        plugin._current = (2, time.monotonic())
+        time.sleep(0.2)  # run 2 takes less
+        plugin._current = None
+        plugin._signal(2, result="box")
+
+    t = threading.Thread(target=collective_thread)
+    t.start()
+    try:
+        assert plugin._wait(done, 2, "pgas-rechunk-a", timeout=0.4) == "box"
+    finally:
+        t.join()
+    # a run that began here and never ends: the backstop fires timeout seconds after its start
+    plugin._next_seq = 4
+    stuck = plugin._done[3] = concurrent.futures.Future()
+    plugin._current = (3, time.monotonic())
+    t0 = time.monotonic()
+    with pytest.raises(PGASWorldError, match="did not finish"):
+        plugin._wait(stuck, 3, "pgas-rechunk-b", timeout=0.3)
+    assert 0.25 < time.monotonic() - t0 < 2
+
+
+@pytest.mark.parametrize("finish", ["memory", "error", "released"])
+def test_transfer_cancelled_while_it_staged_leaves_no_input(plugin, finish):
+    """A transfer task executing when its rechunk is cancelled can stage after the rechunk's forget reached
+    the worker (the forget comes before the batch's free-keys): the staged input is dropped when the
+    cancelled task is released here, not kept until the same rechunk runs again."""
+    key = ("pgas-transfer-a", 0)
+    tasks = {}
+    plugin.worker.state = SimpleNamespace(tasks=tasks)
+    plugin._h_forget("pgas-rechunk-a", run=None, epoch=1)  # the cancel reaches the worker first
+    plugin.stage("pgas-rechunk-a", 0, 1, "spec", (), (bytearray(10),))  # then the task thread stages
+    tasks[key] = SimpleNamespace(state="cancelled")
+    plugin.transition(key, "executing", "cancelled")  # free-keys: still executing
+    plugin.transition(key, "cancelled", "released")  # (a no-op while it executes)
+    assert "pgas-rechunk-a" in plugin._staged
+    tasks[key].state = "released"  # the execution ends: Dask releases the cancelled task
+    plugin.transition(key, "cancelled", finish)
+    assert plugin._staged == {}
+
+
+def test_resumed_transfer_keeps_its_input(plugin):
+    """A cancelled transfer task that Dask asks for again resumes: what it stages is the new attempt's."""
+    key = ("pgas-transfer-a", 0)
+    plugin.worker.state = SimpleNamespace(tasks={key: SimpleNamespace(state="resumed")})
+    plugin.stage("pgas-rechunk-a", 0, 1, "spec", (), (bytearray(10),))
+    plugin.transition(key, "cancelled", "waiting")
+    plugin.transition(("pgas-transfer-a", 0), "memory", "released")  # the normal end of a transfer task
+    assert "pgas-rechunk-a" in plugin._staged
