@@ -96,6 +96,18 @@ class Box:
         yield self._lower
         yield self._upper
 
+    def __getitem__(self, index: int) -> tuple[int, ...]:
+        """``box[0]`` is ``lower`` and ``box[1]`` is ``upper`` (as in nvmath)."""
+        if index in (0, -2):
+            return self._lower
+        if index in (1, -1):
+            return self._upper
+        raise IndexError(f"a Box has two items (lower, upper); index {index!r} is out of range")
+
+    def copy(self) -> Box:
+        """A new Box equal to this one (as nvmath's ``Distribution.copy``)."""
+        return Box(self._lower, self._upper)
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Box):
             return NotImplemented

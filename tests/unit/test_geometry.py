@@ -24,6 +24,15 @@ def test_box_basics():
     assert Box((1, 1), (1, 5)).is_empty
 
 
+def test_box_indexes_and_copies_like_nvmath():
+    b = Box((0, 2), (4, 6))
+    assert (b[0], b[1], b[-1]) == ((0, 2), (4, 6), (4, 6))
+    with pytest.raises(IndexError):
+        b[2]
+    c = b.copy()
+    assert c == b and c is not b and hash(c) == hash(b)
+
+
 @pytest.mark.parametrize(
     ("lower", "upper", "error"),
     [((0,), (1, 2), ValueError), ((2,), (1,), ValueError), ((), (), ValueError), ((0.5,), (1,), TypeError)],
