@@ -3,7 +3,7 @@
 The plan builds, once, one subarray datatype per peer for the piece this rank sends it (a box of the local
 input) and one for the piece it receives (a box of the local output); ``execute`` is then a single
 ``Alltoallw`` plus a NumPy copy of the piece that stays on this rank. Element types come from
-``mpi4py.util.dtlib`` (structured dtypes included).
+``mpi4py.util.dtlib`` when it covers every byte of an element, raw bytes otherwise.
 """
 
 from __future__ import annotations
@@ -53,17 +53,25 @@ class MPIControl(ControlPlane):
 
 
 def _element_type(dtype: np.dtype):
+    """The MPI type of one ``dtype`` element and whether the caller owns (must free) it.
+
+    dtlib's type is used only when it covers every byte of the element (size and extent equal to the
+    itemsize): it maps some dtypes to fewer bytes (``'S5'`` or a struct's ``'S2'`` field to one MPI_CHAR) or
+    leaves holes (aligned structs). Every other dtype moves as raw bytes, which is byte-exact for all."""
     from mpi4py import MPI
     from mpi4py.util import dtlib
 
     try:
         datatype = dtlib.from_numpy_dtype(dtype)
-        # dtlib maps some dtypes to a type of another extent (for example 'S5' to one MPI_CHAR)
-        if datatype.extent == dtype.itemsize and (dtype.fields or datatype.size == dtype.itemsize):
-            return datatype, False
-    except (ValueError, TypeError, KeyError):
-        pass
-    # unmapped (void, byte-swapped, ...): move the raw bytes of each element
+    except (ValueError, TypeError, KeyError):  # unmapped: void, byte-swapped, ...
+        datatype = None
+    if datatype is not None:
+        if datatype.size == dtype.itemsize and datatype.extent == dtype.itemsize:
+            if datatype.is_predefined:
+                return datatype, False
+            return datatype.Commit(), True
+        if not datatype.is_predefined:
+            datatype.Free()
     return MPI.BYTE.Create_contiguous(dtype.itemsize).Commit(), True
 
 

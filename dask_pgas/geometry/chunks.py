@@ -212,31 +212,38 @@ def _aligned(box: Box, bounds: list[np.ndarray]) -> bool:
     )
 
 
-def _axis_pieces(axis_chunks: tuple[int, ...], lo: int, up: int) -> list[tuple[int, slice]]:
-    """(chunk index, slice of that chunk) of the chunks along one axis that intersect ``[lo, up)``."""
+def _axis_pieces(axis_chunks: tuple[int, ...], lo: int, up: int, bounds: np.ndarray | None = None
+                 ) -> list[tuple[int, slice]]:
+    """(chunk index, slice of that chunk) of the chunks along one axis that intersect ``[lo, up)``.
+
+    Dask's ``old_to_new`` over the chunks that can meet ``[lo, up)`` only (found in the axis' cumulative
+    ``bounds``), so the cost follows the box, not the axis."""
     from dask.array.rechunk import old_to_new
 
-    n = sum(axis_chunks)
-    (per_new,) = old_to_new((axis_chunks,), ((lo, up - lo, n - up),))
-    return [(i, s) for i, s in per_new[1] if s.stop > s.start]
+    b = _bounds((axis_chunks,))[0] if bounds is None else bounds
+    i = int(np.searchsorted(b, lo, side="right")) - 1  # the last chunk that starts at or before lo
+    j = int(np.searchsorted(b, up, side="left"))  # chunks i .. j-1 cover [lo, up)
+    start, stop = int(b[i]), int(b[j])
+    (per_new,) = old_to_new((axis_chunks[i:j],), ((lo - start, up - lo, stop - up),))
+    return [(i + k, s) for k, s in per_new[1] if s.stop > s.start]
 
 
-def _box_pieces(chunks: Chunks, box: Box) -> list[tuple[Index, Slices, Slices]]:
+def _box_pieces(chunks: Chunks, box: Box, bounds: list[np.ndarray] | None = None
+                ) -> list[tuple[Index, Slices, Slices]]:
     """(chunk index, slices of the chunk, slices of the box) for every chunk meeting ``box``."""
+    import itertools
+
     if box.is_empty:
         return []
-    bounds = _bounds(chunks)
+    bounds = _bounds(chunks) if bounds is None else bounds
     per_axis = []
     for ax, (lo, up) in enumerate(zip(box.lower, box.upper)):
         pieces = []
-        for i, s in _axis_pieces(chunks[ax], lo, up):
+        for i, s in _axis_pieces(chunks[ax], lo, up, bounds[ax]):
             start = int(bounds[ax][i]) + s.start - lo
             pieces.append((i, s, slice(start, start + s.stop - s.start)))
         per_axis.append(pieces)
-    import itertools
-
-    result = [tuple(zip(*parts)) for parts in itertools.product(*per_axis)]
-    return result
+    return [tuple(zip(*parts)) for parts in itertools.product(*per_axis)]
 
 
 def plan_chunks(
@@ -314,12 +321,12 @@ def _plan_cached(chunks_in: Chunks, chunks_out: Chunks, npes: int, locs: tuple) 
         if best is None or score > best[0]:
             best = (score, boxes, outs)
     _, in_boxes, out_boxes = best
-    in_pieces = [_box_pieces(chunks_in, b) for b in in_boxes]
+    in_pieces = [_box_pieces(chunks_in, b, bounds_in) for b in in_boxes]
     inputs = tuple(tuple(InputPiece(i, cs, bs) for i, cs, bs in pieces) for pieces in in_pieces)
     outputs = []
     for ob in out_boxes:
         pieces = []
-        for index, chunk_slices, box_slices in _box_pieces(chunks_out, ob):
+        for index, chunk_slices, box_slices in _box_pieces(chunks_out, ob, bounds_out):
             # output boxes are chunk-aligned: each chunk lies whole inside one box
             full = all(s.start == 0 and s.stop == chunks_out[ax][index[ax]] for ax, s in enumerate(chunk_slices))
             if not full:  # pragma: no cover - guarded by bisect_boxes(split_chunks=False)

@@ -16,13 +16,14 @@ with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "pgas.yaml"))
 from ._client import World, bootstrap, teardown, world
 from ._cluster import LocalMPICluster
 from ._exceptions import PGASRechunkUnsupported, PGASWorldError
-from ._rechunk import install, installed, rechunk, uninstall
+from ._rechunk import array_expr_mode, install, installed, rechunk, uninstall
 
 __all__ = [
     "LocalMPICluster",
     "PGASRechunkUnsupported",
     "PGASWorldError",
     "World",
+    "array_expr_mode",
     "bootstrap",
     "install",
     "installed",

@@ -99,9 +99,10 @@ def output(name: str, pe: int, epoch: int, box_slices: tuple, whole: bool, run: 
     return get_plugin().take(name, pe, epoch, box_slices, whole, run)
 
 
-def assemble(pe: int, epoch: int, shape: tuple, dtype: str, pieces: tuple, *arrays: Any) -> Any:
-    """On PE ``pe``: an output chunk of the array's ``dtype`` built from input chunk pieces that are already
-    on this PE (local plan). (Dask can hand over chunks whose byte order differs from the array's dtype.)"""
+def assemble(pe: int, epoch: int, shape: tuple, dtype: Any, pieces: tuple, *arrays: Any) -> Any:
+    """On PE ``pe``: an output chunk of the array's ``dtype`` (an ``np.dtype``: ``dtype.str`` loses a struct's
+    fields) built from input chunk pieces that are already on this PE (local plan). (Dask can hand over chunks
+    whose byte order differs from the array's dtype.)"""
     import numpy as np
 
     get_plugin().check(pe, epoch)
@@ -190,6 +191,6 @@ def build_local_graph(x, plan, name: str, epoch: int) -> dict:
             ref, chunk_slices = _source(dsk, x, token, index, src, chunk_slices, src in cut)
             refs.append(ref)
             slices.append((chunk_slices, out_slices))
-        dsk[key] = PinnedTask(key, assemble, pe, epoch, shape, x.dtype.str, tuple(slices), *refs, pe=pe,
+        dsk[key] = PinnedTask(key, assemble, pe, epoch, shape, x.dtype, tuple(slices), *refs, pe=pe,
                               epoch=epoch, npes=plan.npes)
     return dsk

@@ -43,7 +43,7 @@ import numpy as np
 from ._exceptions import PGASRechunkUnsupported
 from ._worker_plugin import RunSpec
 
-__all__ = ["install", "installed", "rechunk", "uninstall"]
+__all__ = ["array_expr_mode", "install", "installed", "rechunk", "uninstall"]
 
 # name of a pgas rechunk output -> {output chunk index: PE}, so that a following rechunk knows the placement
 _owners: OrderedDict[str, dict] = OrderedDict()
@@ -55,11 +55,19 @@ def _original_rechunk():
     return getattr(fn, "__pgas_original__", fn)
 
 
+def _dask_rechunk(x):
+    """Dask's own rechunk for ``x``: an array-expression array's own method (the legacy function would turn it
+    into a legacy array)."""
+    from dask.array.core import Array
+
+    return _original_rechunk() if isinstance(x, Array) else type(x).rechunk
+
+
 def _fallback(x, chunks, reason: str, fix: str, threshold, block_size_limit, balance):
     policy = dask.config.get("pgas.fallback", "raise")
     if policy in ("tasks", "p2p"):
-        return _original_rechunk()(x, chunks, threshold=threshold, block_size_limit=block_size_limit,
-                                   balance=balance, method=policy)
+        return _dask_rechunk(x)(x, chunks, threshold=threshold, block_size_limit=block_size_limit,
+                                balance=balance, method=policy)
     if policy != "raise":
         raise ValueError(f"config pgas.fallback must be 'raise', 'tasks' or 'p2p', not {policy!r}")
     raise PGASRechunkUnsupported(
@@ -68,10 +76,10 @@ def _fallback(x, chunks, reason: str, fix: str, threshold, block_size_limit, bal
     )
 
 
-def _normalize(x, chunks, block_size_limit, balance):
-    """Exactly the preprocessing of ``dask.array.rechunk.rechunk`` (dict/None/-1/'auto'/balance)."""
+def _normalize(x, chunks, block_size_limit):
+    """``chunks`` normalised exactly as ``dask.array.rechunk.rechunk`` does it (dict/None/-1/'auto'), before
+    balancing."""
     from dask.array.core import normalize_chunks
-    from dask.array.rechunk import _balance_chunksizes, _validate_rechunk
     from dask.array.utils import validate_axis
 
     if isinstance(chunks, dict):
@@ -84,10 +92,20 @@ def _normalize(x, chunks, block_size_limit, balance):
     chunks = normalize_chunks(chunks, x.shape, limit=block_size_limit, dtype=x.dtype, previous_chunks=x.chunks)
     if len(chunks) != x.ndim:
         raise ValueError("Provided chunks are not consistent with shape")
-    if balance:
-        chunks = tuple(_balance_chunksizes(c) for c in chunks)
-    _validate_rechunk(x.chunks, chunks)
     return chunks
+
+
+def array_expr_mode() -> bool:
+    """Whether ``dask.array`` runs in array-expression mode (fixed by ``array.query-planning`` when
+    ``dask.array`` was first imported; setting the key later changes nothing)."""
+    import dask.array
+    import dask.array.core
+
+    return dask.array.Array is not dask.array.core.Array
+
+
+_EXPR_FIX = ("Set DASK_ARRAY__QUERY_PLANNING=False (or dask.config.set({'array.query-planning': False})) "
+             "before dask.array is first imported.")
 
 
 def _world(client, x=None) -> dict | None:
@@ -129,8 +147,8 @@ def rechunk(
     Needs a PGAS world on the cluster of ``client`` (default: the current client), see
     :func:`dask_pgas.bootstrap`. Unsupported cases follow config ``pgas.fallback``.
     """
-    import dask.array as da
-    from dask.array.core import new_da_object
+    from dask.array.core import Array, new_da_object
+    from dask.array.rechunk import _balance_chunksizes, _validate_rechunk
     from dask.base import tokenize
     from dask.highlevelgraph import HighLevelGraph
 
@@ -139,20 +157,36 @@ def rechunk(
 
     args = (threshold, block_size_limit, balance)
     if method not in (None, "pgas"):  # same signature as Array.rechunk: other methods are Dask's
-        return _original_rechunk()(x, chunks, *args, method=method)
-    if not isinstance(x, da.Array) or dask.config.get("array.query-planning", False):
-        return _fallback(x, chunks, "array-expression mode (array.query-planning) is not supported",
-                         "Disable it with dask.config.set({'array.query-planning': False}).", *args)
+        return _dask_rechunk(x)(x, chunks, *args, method=method)
+    if not isinstance(x, Array):
+        if array_expr_mode():
+            return _fallback(x, chunks, "dask.array runs in array-expression mode (array.query-planning)",
+                             _EXPR_FIX, *args)
+        raise TypeError(f"dask_pgas.rechunk needs a dask array, not {type(x).__name__}")
     if x.ndim > 0 and all(s == 0 for s in x.shape):
         return x
-    if any(np.isnan(s) for s in x.shape) or any(np.isnan(c) for axis in x.chunks for c in axis):
+    # fallbacks get the caller's ``chunks``: Dask normalises and balances them itself (balancing twice differs)
+    unknown = any(np.isnan(s) for s in x.shape) or any(np.isnan(c) for axis in x.chunks for c in axis)
+    try:
+        target = _normalize(x, chunks, block_size_limit)
+    except ValueError:
+        if not unknown:
+            raise
+        target = None  # Dask cannot normalise these chunks with unknown sizes either
+    if not balance and target == x.chunks:  # as Dask: the array itself, also with unknown chunk sizes
+        return x
+    if unknown:
         return _fallback(x, chunks, "the input has unknown (NaN) chunk sizes",
                          "Call x.compute_chunk_sizes() first.", *args)
-    chunks = _normalize(x, chunks, block_size_limit, balance)
-    if not balance and chunks == x.chunks:
-        return x
+    if balance:
+        target = tuple(_balance_chunksizes(c) for c in target)
+    _validate_rechunk(x.chunks, target)
     if x.dtype.hasobject:
         return _fallback(x, chunks, f"dtype {x.dtype} holds Python objects", "Use a numeric dtype.", *args)
+    if isinstance(x._meta, np.ma.MaskedArray):
+        return _fallback(x, chunks, "masked arrays (numpy.ma) are not supported: the collective moves the data, "
+                         "not the mask", "Rechunk the data (x.map_blocks(np.ma.getdata)) and the mask "
+                         "(x.map_blocks(np.ma.getmaskarray)) separately.", *args)
     if x.ndim == 0 or x.size == 0:
         return _original_rechunk()(x, chunks, *args, method="tasks")
     package = type(x._meta).__module__.split(".")[0]
@@ -182,10 +216,10 @@ def rechunk(
                          "Bootstrap with backends=['nvshmem', 'mpi'] or use CuPy chunks (x.map_blocks(cupy.asarray)).",
                          *args)
     npes = len(world["workers"])
-    plan = plan_chunks(x.chunks, chunks, npes, world["locations"])
-    spec = RunSpec(plan.input_boxes, plan.output_boxes, x.dtype.str, package, float(_delay))
+    plan = plan_chunks(x.chunks, target, npes, world["locations"])
+    spec = RunSpec(plan.input_boxes, plan.output_boxes, x.dtype, package, float(_delay))
     local = plan.is_local and not _delay and bool(dask.config.get("pgas.local-rechunk", True))
-    token = tokenize(x, chunks, "pgas", world["epoch"], npes, spec, local)
+    token = tokenize(x, target, "pgas", world["epoch"], npes, spec, local)
     name = f"pgas-rechunk-{token}"
     if local:
         dsk = build_local_graph(x, plan, name, world["epoch"])
@@ -196,7 +230,7 @@ def rechunk(
         while len(_owners) > 64:
             _owners.popitem(last=False)
     graph = HighLevelGraph.from_collections(name, dsk, dependencies=[x])
-    return new_da_object(graph, name, chunks, meta=x._meta, dtype=x.dtype)
+    return new_da_object(graph, name, target, meta=x._meta, dtype=x.dtype)
 
 
 # ---------------------------------------------------------------------------- dispatch from Array.rechunk
@@ -212,10 +246,16 @@ def install() -> None:
     """Make ``x.rechunk(..., method="pgas")`` and config ``array.rechunk.method: pgas`` use :func:`rechunk`.
 
     Opt-in and idempotent; ``"tasks"`` and ``"p2p"`` (and the automatic choice) are passed through untouched.
-    Undo with :func:`uninstall`.
+    Undo with :func:`uninstall`. Raises :class:`PGASRechunkUnsupported` in array-expression mode, whose
+    ``Array.rechunk`` never calls ``dask.array.rechunk.rechunk`` (``method="pgas"`` would silently run tasks).
     """
     import importlib
 
+    if array_expr_mode():
+        raise PGASRechunkUnsupported(
+            "dask_pgas.install() cannot add method='pgas': dask.array runs in array-expression mode "
+            "(array.query-planning), whose Array.rechunk would silently run method='tasks' instead. " + _EXPR_FIX
+        )
     module = importlib.import_module("dask.array.rechunk")  # the module: ``dask.array.rechunk`` is the function
     with _install_lock:
         if hasattr(module.rechunk, "__pgas_original__"):

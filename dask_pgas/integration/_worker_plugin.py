@@ -37,7 +37,7 @@ class RunSpec:
 
     input_boxes: tuple
     output_boxes: tuple
-    dtype: str
+    dtype: Any  # a numpy dtype (structured ones included: a dtype string would lose their fields)
     package: str
     delay: float = 0.0  # testing only: sleep this long inside the collective (to kill a worker there)
 

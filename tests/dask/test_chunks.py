@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dask_pgas.geometry.chunks import bisect_boxes, chunk_sources, plan_chunks
+from dask_pgas.distribution import Box
+from dask_pgas.geometry.chunks import _axis_pieces, _box_pieces, _plan_cached, bisect_boxes, chunk_sources, plan_chunks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -174,6 +175,52 @@ def test_16k_chunks_plan_fast():
     plan = plan_chunks(chunks_in, chunks_out, 4)
     assert time.perf_counter() - t0 < 1.0
     assert sum(len(p) for p in plan.inputs) == 128 * 128
+
+
+def test_16k_chunks_on_one_axis_plan_fast_at_64_pes():
+    """Each box intersects only the chunks it can meet: planning once cost PEs x chunks per axis (5.7 s here)."""
+    chunks_in, chunks_out = ((4,) * 16384,), ((7,) * 9362 + (2,),)
+    _plan_cached.cache_clear()
+    t0 = time.perf_counter()
+    plan = plan_chunks(chunks_in, chunks_out, 64)
+    assert time.perf_counter() - t0 < 1.0
+    assert sum(len(p) for p in plan.inputs) >= 16384 and len(plan.output_owner()) == 9363
+
+
+def _axis_pieces_whole_axis(axis_chunks, lo, up):
+    """The reference: Dask's ``old_to_new`` over the whole axis."""
+    from dask.array.rechunk import old_to_new
+
+    n = sum(axis_chunks)
+    (per_new,) = old_to_new((axis_chunks,), ((lo, up - lo, n - up),))
+    return [(i, s) for i, s in per_new[1] if s.stop > s.start]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=12).filter(lambda c: sum(c) > 0), st.data())
+def test_axis_pieces_match_the_whole_axis_and_rebuild_the_box(chunks, data):
+    """Pieces from the sub-range of chunks that can meet [lo, up) equal those of the whole axis, zero-size
+    chunks included, and rebuild exactly that range."""
+    chunks = tuple(chunks)
+    n = sum(chunks)
+    lo = data.draw(st.integers(0, n - 1))
+    up = data.draw(st.integers(lo + 1, n))
+    got = _axis_pieces(chunks, lo, up)
+    assert got == _axis_pieces_whole_axis(chunks, lo, up)
+    starts = np.concatenate(([0], np.cumsum(chunks)))
+    ref = np.arange(n)
+    rebuilt = np.concatenate([ref[starts[i]:starts[i + 1]][s] for i, s in got])
+    np.testing.assert_array_equal(rebuilt, ref[lo:up])
+    # and in 2-D through _box_pieces: every element of a box comes from the chunk that holds it
+    other = (2, 0, 3)
+    box = Box((lo, 1), (up, 5))
+    grid = np.arange(n * 5).reshape(n, 5)
+    starts2 = np.concatenate(([0], np.cumsum(other)))
+    out = np.full(box.shape, -1)
+    for (i, j), chunk_slices, box_slices in _box_pieces((chunks, other), box):
+        block = grid[starts[i]:starts[i + 1], starts2[j]:starts2[j + 1]]
+        out[box_slices] = block[chunk_slices]
+    np.testing.assert_array_equal(out, grid[lo:up, 1:5])
 
 
 def test_shared_chunks():

@@ -19,7 +19,10 @@ from ._xp import BACKEND, GPU_WORKERS, NWORKERS, chunk_type, host, on_device
 
 pytestmark = [pytest.mark.dask, pytest.mark.timeout(300)]
 
-DTYPES = ["float64", "float32", "int16", "uint8", "complex64", "bool"] + ([] if GPU_WORKERS else [">i4"])
+# structs, with string fields too (CPU only): dtlib maps a field 'S2' to one MPI_CHAR, yet every byte must travel
+STRUCTS = [np.dtype([("a", "<i4"), ("b", "<f8")]), np.dtype([("a", "<i2"), ("b", "S2")]),
+           np.dtype([("a", "<i4"), ("b", "U3")])]
+DTYPES = ["float64", "float32", "int16", "uint8", "complex64", "bool"] + ([] if GPU_WORKERS else [">i4", *STRUCTS])
 cpu_only = pytest.mark.skipif(bool(GPU_WORKERS), reason="checks NumPy-chunk behaviour of the CPU world")
 
 
@@ -87,6 +90,72 @@ def test_balance_and_limit(client):
 def test_same_chunks_is_noop(client):
     x = da.ones((10, 10), chunks=5)
     assert dask_pgas.rechunk(x, 5) is x
+
+
+def test_same_unknown_chunks_is_noop(client):
+    """Like Dask: a target equal to the current chunks returns the array itself, also with NaN chunk sizes."""
+    x = da.ones((20, 4), chunks=5)
+    nan = x[x[:, 0] > 0]
+    for spec in (nan.chunks, {0: None}, (None, 4)):
+        assert nan.rechunk(spec, method="tasks") is nan
+        assert dask_pgas.rechunk(nan, spec) is nan
+
+
+@cpu_only
+@pytest.mark.parametrize("local", [True, False])
+@pytest.mark.parametrize("dtype", STRUCTS, ids=str)
+def test_structured_dtypes(client, dtype, local):
+    """Struct dtypes keep their fields (not '|V12') through the collective and the local path, string fields
+    byte for byte."""
+    ref = _reference((60, 6), dtype)
+    x = da.from_array(ref, chunks=(20, 6))
+    with dask.config.set({"pgas.local-rechunk": local}):
+        for target in ((7, 6), (10, 3)):  # an exchange, and a plan that is local with local-rechunk on
+            y = dask_pgas.rechunk(x, target)
+            assert y.name.startswith("pgas-rechunk-") and y.dtype == dtype
+            out = y.compute()
+            assert out.dtype == dtype
+            np.testing.assert_array_equal(out, ref)
+
+
+@cpu_only
+@pytest.mark.parametrize("chunks", [10, 20], ids=["pack", "zero-copy"])
+def test_masked_arrays_follow_fallback(client, chunks):
+    """The collective moves data, not masks: masked arrays follow pgas.fallback. (One 20-element chunk per PE
+    once went zero-copy into the collective and broke the world.)"""
+    ref = np.ma.masked_array(np.arange(60.0), mask=np.arange(60) % 3 == 0)
+    x = da.from_array(ref, chunks=chunks, asarray=False)
+    assert isinstance(x._meta, np.ma.MaskedArray)
+    with pytest.raises(PGASRechunkUnsupported, match="masked"):
+        dask_pgas.rechunk(x, 7)
+    with dask.config.set({"pgas.fallback": "tasks"}):
+        y = dask_pgas.rechunk(x, 7)
+    expect = x.rechunk(7, method="tasks")
+    assert not y.name.startswith("pgas") and y.chunks == expect.chunks
+    got, want = y.compute(), expect.compute()
+    assert isinstance(got, np.ma.MaskedArray) and np.ma.count_masked(got) == 20
+    np.testing.assert_array_equal(np.ma.getmaskarray(got), np.ma.getmaskarray(want))
+    np.testing.assert_array_equal(got.data, ref.data)
+    # the world is intact and the collective still runs
+    assert dask_pgas.world(client).broken is None
+    plain = da.from_array(ref.data, chunks=chunks)
+    np.testing.assert_array_equal(dask_pgas.rechunk(plain, 7).compute(), ref.data)
+
+
+@cpu_only
+def test_fallback_chunks_equal_dasks_with_balance(client):
+    """A fallback rechunks the caller's chunks with Dask's own rechunk: balancing twice gave other chunks."""
+    cases = [
+        (da.from_array(np.arange(7).astype(object), chunks=1), 2),  # object dtype
+        (da.from_array(np.arange(10).astype(object), chunks=1), 3),
+        (da.from_array(np.ma.masked_array(np.arange(7.0), mask=np.arange(7) % 2 == 0), chunks=1, asarray=False), 2),
+    ]
+    with dask.config.set({"pgas.fallback": "tasks"}):
+        for x, spec in cases:
+            expect = x.rechunk(spec, balance=True, method="tasks")
+            y = dask_pgas.rechunk(x, spec, balance=True)
+            assert y.chunks == expect.chunks, (x, spec)
+            assert y.name == expect.name
 
 
 def _incoming(client) -> int:
@@ -310,9 +379,47 @@ def test_unsupported_cases_follow_fallback(client):
         y = dask_pgas.rechunk(nan, {1: 10})
         assert not y.name.startswith("pgas")
         assert y.chunks[1] == (10, 10)
-    with dask.config.set({"array.query-planning": True}), pytest.raises(PGASRechunkUnsupported,
-                                                                         match="query-planning"):
-        dask_pgas.rechunk(x, 10)
+    # the mode is fixed when dask.array is imported: the key set later changes nothing, in Dask or here
+    with dask.config.set({"array.query-planning": True}):
+        y = dask_pgas.rechunk(x, 10)
+        assert y.name.startswith("pgas-rechunk-")
+        assert y.chunks == x.rechunk(10, method="tasks").chunks
+        assert float(y.sum().compute()) == 400
+        assert not dask_pgas.integration.array_expr_mode()
+
+
+_EXPR_SCRIPT = """
+import dask, dask.array as da, numpy as np, pytest
+import dask_pgas
+from dask_pgas.integration import PGASRechunkUnsupported
+assert da.array_expr_enabled()
+x = da.from_array(np.arange(64.0).reshape(8, 8), chunks=(8, 2))
+with pytest.raises(PGASRechunkUnsupported, match="DASK_ARRAY__QUERY_PLANNING=False") as info:
+    dask_pgas.rechunk(x, (2, 8))
+assert "before dask.array is first imported" in str(info.value)
+with pytest.raises(PGASRechunkUnsupported, match="array-expression mode"):
+    dask_pgas.install()
+assert not dask_pgas.integration.installed() and dask_pgas.integration.array_expr_mode()
+with dask.config.set({"pgas.fallback": "tasks"}):
+    y = dask_pgas.rechunk(x, (2, 8), balance=True)
+expect = x.rechunk((2, 8), balance=True, method="tasks")
+assert type(y) is type(x) and y.chunks == expect.chunks == ((2,) * 4, (8,))
+np.testing.assert_array_equal(y.compute(), np.arange(64.0).reshape(8, 8))
+print("EXPR-OK")
+"""
+
+
+def test_array_expression_mode_is_refused():
+    """In array-expression mode (chosen when dask.array is imported) Array.rechunk never reaches
+    dask.array.rechunk.rechunk: install() refuses, and rechunk follows pgas.fallback saying how to switch."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DASK_ARRAY__QUERY_PLANNING": "True"}
+    result = subprocess.run([sys.executable, "-c", _EXPR_SCRIPT], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and "EXPR-OK" in result.stdout, result.stdout + result.stderr
 
 
 def test_world_and_bootstrap_idempotent(client):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 
 pytest.importorskip("distributed")
@@ -132,8 +134,8 @@ class _QueueingRpc:
     """Members that run collectives one after another, each taking ``seconds``; a log of the starts sent."""
 
     seconds = 0.0
-    log: list = []
-    ends: dict = {}  # (addr, seq) -> loop time the run ends on that member
+    log: ClassVar[list] = []
+    ends: ClassVar[dict] = {}  # (addr, seq) -> loop time the run ends on that member
 
     def __init__(self, addr):
         self.addr = addr

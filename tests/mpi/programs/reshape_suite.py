@@ -23,8 +23,11 @@ initialize(opts)
 
 COMMON = ["bool", "int8", "uint8", "int16", "int32", "int64", "float16", "float32", "float64", "complex64",
           "complex128"]
+# structs with string fields: dtlib maps a field 'S2' to one MPI_CHAR, yet every byte of it must travel
+STRING_STRUCTS = [np.dtype([("a", "<i2"), ("b", "S2")]), np.dtype([("a", "<i4"), ("b", "U3")])]
 HOST_ONLY = ["uint16", "uint32", "uint64", ">f8", "<i4", "S5", "V3",
-             np.dtype([("a", "i1"), ("b", "<f8")]), np.dtype([("a", "i1"), ("b", "<f8")], align=True)]
+             np.dtype([("a", "i1"), ("b", "<f8")]), np.dtype([("a", "i1"), ("b", "<f8")], align=True),
+             *STRING_STRUCTS]
 DTYPES = [np.dtype(d) for d in COMMON + (HOST_ONLY if opts.package == "numpy" else [])]
 # NumPy symmetric memory exists on the mpi backend only (nvshmem stages NumPy operands through the GPU heap)
 HOST_KINDS = ["plain", "symmetric", "strided"] if opts.backend == "mpi" else ["plain", "strided"]
@@ -146,9 +149,13 @@ def test_random_layouts(case):
     run_case(case)
 
 
-# fixed cases the random search might miss: the seed, a single rank owning everything, all-empty domain
+# fixed cases the random search might miss: the seed, a single rank owning everything, all-empty domain,
+# structs with string fields
 def fixed_cases():
-    for shape, order, dtype in [((4, 4), "C", "float64"), ((1000, 3), "F", "int32"), ((0, 5), "C", "float32")]:
+    cases = [((4, 4), "C", "float64"), ((1000, 3), "F", "int32"), ((0, 5), "C", "float32")]
+    if opts.package == "numpy":
+        cases += [((24, 5), order, dtype) for order, dtype in zip("CF", STRING_STRUCTS)]
+    for shape, order, dtype in cases:
         run_case(dict(shape=shape, dtype=np.dtype(dtype), order=order, kind=KINDS[0], seed=7))
 
 
