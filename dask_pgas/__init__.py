@@ -16,10 +16,19 @@ from .distribution import Box
 from .engines.nvshmem import get_nvshmem_uniqueid, initialize_from_uniqueid
 from .memory import allocate_symmetric_memory, free_symmetric_memory, heap_usage
 from .reshape import Reshape, ReshapeOptions
-from .runtime import available_backends, finalize, initialize, initialized_backends, is_initialized
+from .runtime import (
+    DistributedContext,
+    available_backends,
+    finalize,
+    get_context,
+    initialize,
+    initialized_backends,
+    is_initialized,
+)
 
 __all__ = [
     "Box",
+    "DistributedContext",
     "Reshape",
     "ReshapeOptions",
     "__version__",
@@ -29,6 +38,7 @@ __all__ = [
     "errors",
     "finalize",
     "free_symmetric_memory",
+    "get_context",
     "get_nvshmem_uniqueid",
     "heap_usage",
     "initialize",

@@ -21,7 +21,7 @@ from typing import Any
 
 from ._arrays import array_info, package_name, package_of, to_numpy_dtype
 from .engines.base import Allocation, Engine
-from .errors import SymmetricMemoryError, warn_leak
+from .errors import BackendUnavailableError, SymmetricMemoryError, warn_leak
 from .runtime import _require, engine_for_package
 
 __all__ = ["allocate_symmetric_memory", "free_symmetric_memory", "heap_usage", "is_symmetric_memory"]
@@ -51,12 +51,20 @@ def _control():
 
 
 def _agree(control, error: str | None, payload: Any = None) -> list[Any]:
-    """Allgather ``(error, payload)``; raise the first rank's error on every rank."""
+    """Allgather ``(error, payload)``; raise the first rank's error on every rank.
+
+    ``error`` is a message (raised as :class:`SymmetricMemoryError`) or a pair ``(class name, message)`` for
+    the few classes that keep their own type (:data:`_KEEP`)."""
     everything = control.allgather((error, payload))
     for rank, (err, _) in enumerate(everything):
         if err is not None:
-            raise SymmetricMemoryError(f"rank {rank}: {err}")
+            name, msg = err if isinstance(err, tuple) else ("", err)
+            raise _KEEP.get(name, SymmetricMemoryError)(f"rank {rank}: {msg}")
     return [p for _, p in everything]
+
+
+#: local errors raised with their own class on every rank (the others become SymmetricMemoryError)
+_KEEP: dict[str, type[Exception]] = {"BackendUnavailableError": BackendUnavailableError}
 
 
 def _normalize_shape(shape: int | Sequence[int]) -> tuple[int, ...]:
@@ -68,13 +76,54 @@ def _normalize_shape(shape: int | Sequence[int]) -> tuple[int, ...]:
     return out
 
 
+def _normalize_axis_order(axis_order: Any, ndim: int) -> tuple[str, tuple[int, ...] | None]:
+    """``("C" | "F", None)``, or ``("C", axes)`` for a permutation: allocate C order with the axes listed
+    slowest first, then transpose by ``axes``.
+
+    A sequence follows ``nvmath.distributed.allocate_symmetric_memory``: the axes from the fastest varying
+    (contiguous) to the slowest, so ``(1, 0)`` is C order and ``(0, 1)`` Fortran order of a matrix."""
+    if axis_order is None:
+        return "C", None
+    if isinstance(axis_order, str):
+        if axis_order not in ("C", "F"):
+            raise ValueError(f"axis_order must be 'C', 'F' or a permutation of the axes, not {axis_order!r}")
+        return axis_order, None
+    try:
+        order = tuple(operator.index(a) for a in axis_order)
+    except TypeError:
+        raise ValueError(
+            f"axis_order must be 'C', 'F' or a permutation of the axes, not {axis_order!r}"
+        ) from None
+    if sorted(order) != list(range(ndim)):
+        raise ValueError(
+            f"axis_order {order} is not a permutation of the {ndim} axes {tuple(range(ndim))} (fastest varying "
+            "axis first, as in nvmath.distributed)"
+        )
+    if order == tuple(reversed(range(ndim))):
+        return "C", None
+    if order == tuple(range(ndim)):
+        return "F", None
+    slow_first = order[::-1]
+    return "C", tuple(slow_first.index(axis) for axis in range(ndim))
+
+
+def _default_dtype(pkg: str) -> Any:
+    """The package's default element type, as nvmath: float64 for NumPy and CuPy, torch.get_default_dtype()."""
+    if pkg == "torch":
+        import torch
+
+        return torch.get_default_dtype()
+    return "float64"
+
+
 def allocate_symmetric_memory(
     shape: int | Sequence[int],
     package: Any,
     *,
     dtype: Any = None,
-    axis_order: str = "C",
+    axis_order: str | Sequence[int] | None = "C",
     make_symmetric: bool = False,
+    skip_symmetric_check: bool = False,
     logger: logging.Logger | None = None,
 ) -> Any:
     """Allocate an array of ``package`` on the symmetric heap of every rank (collective).
@@ -82,47 +131,91 @@ def allocate_symmetric_memory(
     Args:
         shape: local shape on this rank.
         package: ``numpy`` (``"mpi"`` backend), ``cupy`` or ``torch`` (``"nvshmem"`` backend); module or name.
-        dtype: element type (default float64).
-        axis_order: ``"C"`` or ``"F"``.
+        dtype: element type (default: the package's, float64 for NumPy/CuPy, ``torch.get_default_dtype()``).
+        axis_order: ``"C"``, ``"F"`` or a permutation of the axes listing them from the fastest varying to the
+            slowest, as in nvmath (``(1, 0)`` is C order, ``(0, 1)`` Fortran order of a matrix; other
+            permutations give an array that is neither C nor F contiguous).
         make_symmetric: pad every rank's allocation to the largest request. Without it, different byte sizes on
             different ranks raise :class:`SymmetricMemoryError` on every rank.
+        skip_symmetric_check: accepted for nvmath compatibility: no error for different sizes on different
+            ranks. dask_pgas still exchanges the sizes (one small allgather) and pads to the largest, so the
+            allocation stays symmetric and collective. Cannot be combined with ``make_symmetric=True``.
+
+    Every argument is checked on every rank and the findings exchanged before anything is allocated: bad input
+    on one rank (an unknown package, a bad dtype or shape, ``make_symmetric`` or the backend differing between
+    ranks) raises the same exception on every rank and allocates nothing.
 
     The array must be released with :func:`free_symmetric_memory` on every rank.
     """
     log = logger or globals()["logger"]
-    pkg = package_name(package)
-    engine = engine_for_package(pkg, allocation=True)
-    error, nbytes, desc = None, 0, ""
+    control = _control()  # the same control plane on every rank, whatever package each rank asked for
+    error: Any = None
+    engine, nbytes, desc, dims, pkg, order, axes = None, 0, "", (), "", "C", None
+    flags = (bool(make_symmetric), bool(skip_symmetric_check))
     try:
+        pkg = package_name(package)
+        engine = engine_for_package(pkg, allocation=True)
         dims = _normalize_shape(shape)
-        np_dtype = to_numpy_dtype("float64" if dtype is None else dtype)
-        dtype = np_dtype if dtype is None else dtype
+        if dtype is None:
+            dtype = _default_dtype(pkg)
+        np_dtype = to_numpy_dtype(dtype)
         engine.check_dtype(dtype, pkg)  # before the collective allocate: a bad dtype leaks nothing
-        if axis_order not in ("C", "F"):
-            raise ValueError(f"axis_order must be 'C' or 'F', not {axis_order!r}")
+        order, axes = _normalize_axis_order(axis_order, len(dims))
+        if make_symmetric and skip_symmetric_check:
+            raise ValueError("skip_symmetric_check=True cannot be combined with make_symmetric=True")
         nbytes = math.prod(dims) * np_dtype.itemsize
         desc = f"{pkg} {dims} {np_dtype}"
-    except Exception as exc:  # reported to all ranks, never raised alone
+    except BackendUnavailableError as exc:  # reported to all ranks, never raised alone
+        error = ("BackendUnavailableError", str(exc))
+    except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     with _lock:
-        sizes = _agree(engine.control, error, nbytes)
-        if not make_symmetric and len(set(sizes)) > 1:
+        everything = _agree(control, error, (nbytes, flags, engine.name if engine else None))
+        sizes = [n for n, _, _ in everything]
+        if len({f for _, f, _ in everything}) > 1:
+            by_rank = "; ".join(f"rank {r}: make_symmetric={f[0]} skip_symmetric_check={f[1]}"
+                                for r, (_, f, _) in enumerate(everything))
             raise SymmetricMemoryError(
-                f"ranks asked for different sizes {sizes} (bytes, by rank); pass make_symmetric=True to pad "
-                "every allocation to the largest"
+                f"ranks passed different make_symmetric/skip_symmetric_check ({by_rank}); pass the same values "
+                "on every rank"
             )
+        if len({e for _, _, e in everything}) > 1:
+            by_rank = "; ".join(f"rank {r}: {e}" for r, (_, _, e) in enumerate(everything))
+            raise SymmetricMemoryError(
+                f"ranks asked for arrays of packages served by different backends ({by_rank}); every rank must "
+                "allocate from the same backend"
+            )
+        if len(set(sizes)) > 1:
+            if not (make_symmetric or skip_symmetric_check):
+                raise SymmetricMemoryError(
+                    f"ranks asked for different sizes {sizes} (bytes, by rank); pass make_symmetric=True to pad "
+                    "every allocation to the largest"
+                )
+            log.debug("symmetric allocation padded from %d to %d bytes on this rank", nbytes, max(sizes))
+        assert engine is not None  # every rank found one, or _agree raised
         allocation = engine.allocate(max(sizes))
         array, error = None, None
         try:
-            array = engine.as_array(allocation, dims, dtype, pkg, axis_order)
+            base_shape = dims if axes is None else tuple(dims[a] for a in _slow_first(axes))
+            array = engine.as_array(allocation, base_shape, dtype, pkg, order)
+            if axes is not None:
+                array = array.permute(*axes) if pkg == "torch" else array.transpose(axes)
         except Exception as exc:  # agreed before the collective free: no rank frees alone
             error = f"{type(exc).__name__}: {exc}"
-        if bad := engine.control.agree(error):
+        if bad := control.agree(error):
             engine.free(allocation)
             raise SymmetricMemoryError(f"rank {bad[0][0]}: {bad[0][1]}")
         _register(engine, allocation, array, desc)
     log.debug("allocated symmetric %s (%d bytes on every rank)", desc, allocation.nbytes)
     return array
+
+
+def _slow_first(axes: tuple[int, ...]) -> tuple[int, ...]:
+    """The axes of the result, slowest varying first, from ``axes`` (result axis i = base axis axes[i])."""
+    inverse = [0] * len(axes)
+    for result_axis, base_axis in enumerate(axes):
+        inverse[base_axis] = result_axis
+    return tuple(inverse)
 
 
 def _register(engine: Engine, allocation: Allocation, array: Any, desc: str) -> None:
@@ -144,14 +237,19 @@ def _collected(seq: int) -> None:
     )
 
 
+def _was_freed(array: Any) -> bool:
+    """Whether ``array`` itself was returned by :func:`allocate_symmetric_memory` and freed since (local)."""
+    ref = _freed.get(id(array))
+    return ref is not None and ref() is array
+
+
 def _lookup(array: Any) -> tuple[_Record | None, str | None]:
     seq = _by_id.get(id(array))
     if seq is not None:
         rec = _live.get(seq)
         if rec is not None and rec.ref() is array:
             return rec, None
-    ref = _freed.get(id(array))
-    if ref is not None and ref() is array:
+    if _was_freed(array):
         return None, "this array was already freed (double free)"
     if package_of(array) is None:
         return None, f"expected an array returned by allocate_symmetric_memory, got {type(array).__name__}"

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import numpy as np
 
 from . import errors
+from . import runtime as _runtime
 from ._arrays import array_info, package_of
 from .distribution import Box
 from .engines.base import Engine, ReshapePlan, ReshapeSpec
@@ -28,7 +29,7 @@ from .errors import (
     UnsupportedOperandError,
 )
 from .geometry.boxes import bounding_box, tiling_error
-from .memory import _allocate_internal, _control, is_symmetric_memory
+from .memory import _allocate_internal, _control, _was_freed, is_symmetric_memory
 from .runtime import engine_for_package
 
 __all__ = ["Reshape", "ReshapeOptions", "reshape"]
@@ -50,18 +51,40 @@ class ReshapeOptions:
     blocking: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
+        self._validate()
+
+    def _validate(self) -> None:
         if self.blocking not in (True, False, "auto"):
             raise ValueError(f"blocking must be True, False or 'auto', not {self.blocking!r}")
 
 
+_OPTION_FIELDS = ("logger", "blocking")
+
+
 def _options(options: ReshapeOptions | dict | None) -> ReshapeOptions:
+    """Local: the parsed options (raises ValueError/TypeError; the caller agrees on the error collectively)."""
     if options is None:
         return ReshapeOptions()
     if isinstance(options, dict):
+        unknown = sorted(str(k) for k in options if k not in _OPTION_FIELDS)
+        if unknown:
+            raise TypeError(f"unknown ReshapeOptions field(s) {unknown}; the fields are {list(_OPTION_FIELDS)}")
         return ReshapeOptions(**options)
     if isinstance(options, ReshapeOptions):
+        options._validate()  # fields may have been assigned after construction
         return options
     raise TypeError(f"options must be a ReshapeOptions or a dict, not {type(options).__name__}")
+
+
+def _freed_symmetric(array: Any) -> bool:
+    """Whether ``array`` was returned by allocate_symmetric_memory and has been freed since: its memory may
+    already belong to another allocation, so using it would read (or write) someone else's data. Local."""
+    return _was_freed(array)
+
+
+_FREED_OPERAND = (
+    "the operand was freed with free_symmetric_memory(); its memory may belong to another allocation now"
+)
 
 
 # exceptions that a description may carry from one rank to all (by name, so nothing is unpickled blindly)
@@ -69,7 +92,7 @@ _RAISABLE = {
     cls.__name__: cls
     for cls in (
         DistributionError, UnsupportedOperandError, SymmetricMemoryError, BackendUnavailableError,
-        TypeError, ValueError,
+        RuntimeStateError, TypeError, ValueError,
     )
 }
 
@@ -85,6 +108,19 @@ def _by_rank(values: list[Any]) -> str:
     return ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
 
 
+def _agree(control: Any, error: tuple[type[BaseException], str] | None) -> None:
+    """Collective: raise the first failing rank's error on every rank, or return on all of them.
+
+    One ``ControlPlane.agree`` (on the MPI engine one flag ``Allreduce``; the messages travel only on failure).
+    Every method that checks preconditions goes through here, so a rank that skipped a call (``plan()`` on one
+    rank only) meets its peers at the next agreement and all raise its self-describing error."""
+    bad = control.agree(None if error is None else f"{error[0].__name__}:{error[1]}")
+    if bad:
+        rank, text = bad[0]
+        name, _, msg = text.partition(":")
+        raise _RAISABLE.get(name, errors.CollectiveError)(f"rank {rank}: {msg}")
+
+
 class Reshape:
     """A planned redistribution of ``operand`` from ``input_box`` to ``output_box`` (all ranks call it).
 
@@ -93,12 +129,18 @@ class Reshape:
             array / torch tensor on the symmetric heap (``"nvshmem"`` backend). Its shape is the input box's.
         input_box: the part of the global array this rank holds (a :class:`Box` or a ``(lower, upper)`` pair).
         output_box: the part this rank will hold after the reshape.
-        options: :class:`ReshapeOptions` or a dict of its fields.
+        options: :class:`ReshapeOptions` or a dict of its fields; ``blocking`` must be the same on every rank.
         stream: CUDA stream (CuPy/torch stream or raw handle) for GPU operands; ignored on CPU.
 
     The result of :meth:`execute` is a new array of the output box's shape, of the operand's package, in the
     operand's memory order. When the operand is symmetric memory the result is symmetric memory too (padded to
     the largest output box) and must be freed with :func:`dask_pgas.free_symmetric_memory`.
+
+    :meth:`plan`, :meth:`reset_operand` and :meth:`execute` agree on their preconditions across ranks before any
+    collective step, so a misuse on one rank (``execute()`` before ``plan()``, after ``free()`` or
+    :meth:`release_operand`, with a freed symmetric operand) raises the same exception on every rank. After
+    :func:`dask_pgas.finalize` they raise :class:`RuntimeStateError`; :meth:`release_operand` and :meth:`free`
+    stay usable.
     """
 
     def __init__(
@@ -111,17 +153,18 @@ class Reshape:
         options: ReshapeOptions | dict | None = None,
         stream: Any = None,
     ) -> None:
-        self.options = _options(options)
-        self.logger = self.options.logger or _log
         self._stream = stream
         self._plan: ReshapePlan | None = None
         self._results: list[Any] = []
         self._freed = False
+        self._released = False
         control = _control()
-        desc, engine = self._describe(operand, input_box, output_box)
+        desc, engine, parsed = self._describe(operand, input_box, output_box, options)
         descs = control.allgather(desc)
         _raise_first(descs)
         self._check_global(descs)
+        self.options: ReshapeOptions = parsed
+        self.logger = self.options.logger or _log
         self._engine: Engine = engine
         self._package: str = desc["package"]
         self._symmetric: bool = desc["symmetric"]
@@ -132,7 +175,11 @@ class Reshape:
             order=self._order(descs),
             rank=control.rank,
         )
-        self._operand = self._conform(operand)
+        # _source: the user's array; _operand: the same array, or its copy in the plan's memory order, refreshed
+        # from _source at every execute (so in-place updates of the user's array count on every rank alike)
+        self._source: Any = operand
+        self._operand: Any = self._conform(operand)
+        self._tracked = is_symmetric_memory(operand)  # registered symmetric memory: checked at each execute
         self.logger.debug(
             "rank %d: reshape %s -> %s (%s, order %s, %d ranks) on the %s engine",
             control.rank, self._spec.input_box, self._spec.output_box, self._spec.dtype, self._spec.order,
@@ -141,16 +188,22 @@ class Reshape:
 
     # -- collective validation ------------------------------------------------------------------------------
     @staticmethod
-    def _describe(operand: Any, input_box: Any, output_box: Any) -> tuple[dict, Engine | None]:
+    def _describe(
+        operand: Any, input_box: Any, output_box: Any, options: Any = None
+    ) -> tuple[dict, Engine | None, ReshapeOptions | None]:
         desc: dict[str, Any] = {"error": None, "in": None, "out": None, "package": package_of(operand)}
-        engine = None
+        engine, parsed = None, None
         try:
+            parsed = _options(options)
+            desc["blocking"] = parsed.blocking
             ibox, obox = Box.from_any(input_box), Box.from_any(output_box)
             desc["in"], desc["out"] = (ibox.lower, ibox.upper), (obox.lower, obox.upper)
             if desc["package"] is None:
                 raise UnsupportedOperandError(
                     f"operand must be a numpy.ndarray, cupy.ndarray or torch.Tensor, not {type(operand).__name__}"
                 )
+            if _freed_symmetric(operand):
+                raise SymmetricMemoryError(_FREED_OPERAND + ": pass a live array")
             info = array_info(operand)
             engine = engine_for_package(info.package)
             desc.update(
@@ -178,10 +231,13 @@ class Reshape:
                 )
         except Exception as exc:  # every local failure is reported to all ranks, never raised alone
             desc["error"] = (type(exc).__name__, str(exc))
-        return desc, engine
+        return desc, engine, parsed
 
     @staticmethod
     def _check_global(descs: list[dict]) -> None:
+        blocking = [d.get("blocking", "auto") for d in descs]
+        if any(b != blocking[0] for b in blocking):
+            raise ValueError(f"options are inconsistent across processes (blocking: {_by_rank(blocking)})")
         ndims = [len(d["in"][0]) for d in descs] + [len(d["out"][0]) for d in descs]
         if len(set(ndims)) > 1:
             raise DistributionError(
@@ -236,50 +292,115 @@ class Reshape:
             raise UnsupportedOperandError(f"GPU operand is not {self._spec.order}-contiguous like the other ranks'")
         return np.asarray(operand, order=self._spec.order)
 
+    # -- local state checks ---------------------------------------------------------------------------------
+    def _check_runtime(self) -> None:
+        """Local: the plan's engine must still be the runtime's (``finalize`` is collective, so every rank
+        reaches the same verdict without an exchange; an exchange would use the freed communicator)."""
+        if not any(e is self._engine for e in _runtime._engines.values()):
+            raise RuntimeStateError("the runtime was finalized; create a new Reshape")
+        if not _runtime.is_initialized():
+            raise RuntimeStateError(
+                "this Reshape belongs to the runtime of a parent process; create a new one after initialize()"
+            )
+
+    def _freed_error(self) -> tuple[type[BaseException], str] | None:
+        return (RuntimeStateError, "this Reshape was freed; create a new one") if self._freed else None
+
     # -- public API -----------------------------------------------------------------------------------------
     @property
     def spec(self) -> ReshapeSpec:
         return self._spec
 
-    def _check_live(self) -> None:
-        if self._freed:
-            raise RuntimeStateError("this Reshape was freed; create a new one")
+    def plan(self, stream: Any = None) -> None:
+        """Plan the reshape (collective). Calling it again does nothing (locally: no rank waits for another).
 
-    def plan(self) -> None:
-        """Plan the reshape (collective)."""
-        self._check_live()
-        if self._plan is None:
-            self._plan = self._engine.plan_reshape(self._spec)
+        Args:
+            stream: accepted for ``nvmath.distributed`` compatibility; planning here launches no stream work.
+        """
+        self._check_runtime()
+        if self._plan is not None:  # free() clears the plan, so a freed object always reaches the agreement
+            return
+        _agree(self._engine.control, self._freed_error())
+        self._plan = self._engine.plan_reshape(self._spec)
 
-    def reset_operand(self, operand: Any) -> None:
-        """Use a new operand of the same shape, dtype, package and memory kind (collective)."""
-        self._check_live()
-        error = None
+    def reset_operand(self, operand: Any, *, stream: Any = None) -> None:
+        """Use a new operand of the same shape, dtype, package and memory kind (collective).
+
+        Args:
+            operand: the new operand (not None: :meth:`release_operand` drops the operand).
+            stream: accepted for ``nvmath.distributed`` compatibility; a host operand in another memory order
+                is copied on the host.
+        """
+        self._check_runtime()
+        error, conformed, tracked = None, None, False
         try:
+            if self._freed:
+                raise RuntimeStateError("this Reshape was freed; create a new one")
+            if operand is None:
+                raise ValueError(
+                    "reset_operand() needs an operand; use release_operand() to release the current one"
+                )
             if package_of(operand) != self._package:
                 raise UnsupportedOperandError(f"new operand must be a {self._package} array")
+            if _freed_symmetric(operand):
+                raise SymmetricMemoryError(_FREED_OPERAND + ": pass a live array")
             info = array_info(operand)
             if info.shape != self._spec.input_box.shape or info.dtype != self._spec.dtype:
                 raise UnsupportedOperandError(
                     f"new operand has shape {info.shape} and dtype {info.dtype}; the plan needs "
                     f"{self._spec.input_box.shape} and {self._spec.dtype}"
                 )
-            symmetric = self._engine.on_heap(operand) or is_symmetric_memory(operand)
+            tracked = is_symmetric_memory(operand)
+            symmetric = self._engine.on_heap(operand) or tracked
             if symmetric != self._symmetric:
                 raise SymmetricMemoryError(
                     "new operand must " + ("" if self._symmetric else "not ") + "be symmetric memory, like the first"
                 )
             conformed = self._conform(operand)
         except Exception as exc:  # reported to all ranks, never raised alone
-            error = (type(exc).__name__, str(exc))
-        _raise_first([{"error": e} for e in self._engine.control.allgather(error)])
-        self._operand = conformed
+            error = (type(exc), str(exc))
+        _agree(self._engine.control, error)
+        self._source, self._operand, self._tracked = operand, conformed, tracked
+        self._released = False
 
-    def execute(self, *, stream: Any = None, sync_symmetric_memory: bool = True) -> Any:
-        """Run the reshape (collective) and return this rank's output box as a new array."""
-        self._check_live()
-        if self._plan is None:
-            raise RuntimeStateError("call plan() before execute()")
+    def release_operand(self) -> None:
+        """Drop this object's references to the operand (and to a copy made of it), so that its memory can be
+        released; :meth:`execute` then raises on every rank until :meth:`reset_operand` gives a new operand.
+
+        Local (no communication, nothing that could leave a peer waiting): a rank that released alone is caught
+        by the agreement of the next :meth:`execute`. Releasing twice, or after :meth:`free` (which drops the
+        references too), does nothing."""
+        if self._released or self._freed:
+            self.logger.debug("the operand was released already; nothing to do")
+            return
+        self._source = self._operand = None
+        self._tracked = False
+        self._released = True
+
+    def execute(self, stream: Any = None, release_workspace: bool = False, sync_symmetric_memory: bool = True) -> Any:
+        """Run the reshape (collective) and return this rank's output box as a new array.
+
+        Args:
+            stream: CUDA stream for GPU operands (default: the one given to the constructor); ignored on CPU.
+            release_workspace: accepted for ``nvmath.distributed`` compatibility and ignored: the MPI engine has
+                no workspace, and the GPU engine's cuFFTMp workspace (none in practice) lives until :meth:`free`.
+            sync_symmetric_memory: synchronize symmetric memory across ranks before the reshape (GPU engine).
+        """
+        self._check_runtime()
+        error = self._freed_error()
+        if error is None:
+            if self._plan is None:
+                error = (RuntimeStateError, "call plan() before execute()")
+            elif self._released:
+                error = (
+                    RuntimeStateError,
+                    "execute() cannot run after release_operand(); give a new operand with reset_operand() first",
+                )
+            elif self._tracked and not is_symmetric_memory(self._source):
+                error = (SymmetricMemoryError, _FREED_OPERAND + ": give a live one with reset_operand()")
+        _agree(self._engine.control, error)  # the only exchange on the hot path: one flag when all is well
+        if self._operand is not self._source:
+            np.copyto(self._operand, self._source)  # refresh the conforming copy: in-place updates count
         shape, order = self._spec.output_box.shape, self._spec.order
         if self._symmetric:
             # every rank knows every output box: the common padded size needs no exchange
@@ -323,8 +444,10 @@ class Reshape:
             del self._results[: -self._POOL]
 
     def free(self) -> None:
-        """Release the plan (collective). Idempotent."""
+        """Release the plan and the references to the operand (collective). Idempotent."""
         self._results = []
+        self._source = self._operand = None
+        self._tracked = False
         if self._freed:
             return
         self._freed = True
@@ -354,5 +477,5 @@ def reshape(
     A convenience wrapper of :class:`Reshape`; returns this rank's output box as a new array.
     """
     with Reshape(operand, input_box, output_box, options=options, stream=stream) as r:
-        r.plan()
-        return r.execute(sync_symmetric_memory=sync_symmetric_memory)
+        r.plan(stream=stream)
+        return r.execute(stream=stream, sync_symmetric_memory=sync_symmetric_memory)

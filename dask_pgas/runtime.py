@@ -15,6 +15,7 @@ import importlib
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .engines.base import Engine
@@ -22,9 +23,11 @@ from .errors import BackendUnavailableError, NotInitializedError, RuntimeStateEr
 
 __all__ = [
     "BACKENDS",
+    "DistributedContext",
     "available_backends",
     "engine_for_package",
     "finalize",
+    "get_context",
     "get_engine",
     "initialize",
     "initialized_backends",
@@ -40,6 +43,28 @@ BACKENDS: dict[str, str] = {
 _lock = threading.RLock()
 _engines: dict[str, Engine] = {}
 _owner_pid: int | None = None
+_communicator: Any = None  # the communicator initialize() was called with (None for an installed engine)
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """What the initialized runtime runs on (``nvmath.distributed.DistributedContext`` counterpart).
+
+    Attributes:
+        device_id: CUDA device of the ``"nvshmem"`` backend on this process; None without it.
+        communicator: the mpi4py communicator given to :func:`initialize` (``MPI.COMM_WORLD`` by default); None
+            when the engine was brought up without MPI (:func:`dask_pgas.initialize_from_uniqueid`).
+        backends: the initialized backends, e.g. ``("mpi",)``.
+        rank, nranks: this process's rank and the number of ranks in the PGAS world.
+        nvshmem_available: whether the ``"nvshmem"`` backend is initialized (symmetric GPU memory).
+    """
+
+    device_id: int | None
+    communicator: Any
+    backends: tuple[str, ...]
+    rank: int
+    nranks: int
+    nvshmem_available: bool
 
 
 def _engine_class(name: str) -> type[Engine]:
@@ -56,8 +81,10 @@ def _engine_class(name: str) -> type[Engine]:
 def _unavailable(name: str) -> str | None:
     try:
         return _engine_class(name).unavailable_reason()
-    except ImportError as exc:  # an optional dependency of that engine is missing
-        return f"{exc}"
+    except BackendUnavailableError as exc:  # unknown name
+        return str(exc)
+    except Exception as exc:  # an optional dependency of that engine is missing or broken
+        return f"{type(exc).__name__}: {exc}"
 
 
 def available_backends() -> list[str]:
@@ -69,6 +96,55 @@ def _default_communicator():
     from mpi4py import MPI
 
     return MPI.COMM_WORLD
+
+
+def _requested(backends: Any) -> tuple[list[str], bool]:
+    """This rank's backend names (local, no communication) and whether they are the automatic default."""
+    if backends is None:
+        env = os.environ.get("DASK_PGAS_BACKEND")
+        if env:
+            backends = [b.strip() for b in env.split(",") if b.strip()]
+        else:
+            return (["nvshmem"] if _unavailable("nvshmem") is None else ["mpi"]), True
+    if isinstance(backends, str):
+        backends = [backends]
+    try:
+        names = list(dict.fromkeys(backends))
+    except TypeError:
+        raise TypeError(f"backends must be a sequence of backend names, not {type(backends).__name__}") from None
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"backend names are strings such as 'mpi' or 'nvshmem', got {name!r}")
+        if name not in BACKENDS:
+            raise BackendUnavailableError(f"unknown backend {name!r}; choose from {sorted(BACKENDS)}")
+    if not names:
+        raise BackendUnavailableError(f"backends must name at least one of {sorted(BACKENDS)}")
+    return names, False
+
+
+def _local_setup(backends: Any) -> tuple[type[Exception] | None, str, list[str], bool, dict[str, str]]:
+    """Everything ``initialize`` decides on this rank before talking to the others, errors included (returned,
+    never raised: the caller exchanges them so that every rank raises the same exception)."""
+    names: list[str] = []
+    default = False
+    problems: dict[str, str] = {}
+    try:
+        if _engines:
+            raise RuntimeStateError(
+                f"dask_pgas is already initialized with backends {sorted(_engines)}; "
+                "call dask_pgas.finalize() before initializing again"
+            )
+        names, default = _requested(backends)
+        # with the default, every rank may fall back to "mpi" (when the ranks' defaults differ): check it too
+        for name in dict.fromkeys([*names, "mpi"] if default else names):
+            why = _unavailable(name)
+            if why:
+                problems[name] = why
+    except (BackendUnavailableError, RuntimeStateError, TypeError) as exc:
+        return type(exc), str(exc), names, default, problems
+    except Exception as exc:  # unexpected: still reported to every rank
+        return BackendUnavailableError, f"{type(exc).__name__}: {exc}", names, default, problems
+    return None, "", names, default, problems
 
 
 def initialize(
@@ -83,39 +159,36 @@ def initialize(
             number of visible devices). Ignored by ``"mpi"``.
         communicator: an mpi4py communicator (default ``MPI.COMM_WORLD``); the runtime works on a duplicate.
         backends: backends to start, from ``"mpi"`` and ``"nvshmem"``. Default: ``["nvshmem"]`` when a GPU and
-            the NVSHMEM/cuFFTMp libraries are present, else ``["mpi"]``.
+            the NVSHMEM/cuFFTMp libraries are present on every rank, else ``["mpi"]``.
+
+    Every rank's request is checked locally, then the ranks exchange their findings once (one allgather) and
+    all raise the same exception or none does: a bad ``backends`` value on one rank, or different backends on
+    different ranks, never leaves the other ranks waiting.
 
     Raises:
-        RuntimeStateError: already initialized (call :func:`finalize` first).
-        BackendUnavailableError: a requested backend cannot run here (on any rank); says what is missing.
+        RuntimeStateError: already initialized on some rank (call :func:`finalize` first).
+        BackendUnavailableError: an unknown or empty ``backends``, different backends on different ranks, or a
+            backend that cannot run here (on any rank); says which rank and what is missing.
+        TypeError: ``backends`` is not a sequence of names (on any rank).
     """
-    global _owner_pid
+    global _owner_pid, _communicator
     with _lock:
-        if _engines:
-            raise RuntimeStateError(
-                f"dask_pgas is already initialized with backends {sorted(_engines)}; "
-                "call dask_pgas.finalize() before initializing again"
-            )
         comm = communicator if communicator is not None else _default_communicator()
-        if backends is None:
-            env = os.environ.get("DASK_PGAS_BACKEND")
-            if env:
-                backends = [b.strip() for b in env.split(",") if b.strip()]
+        everywhere = comm.allgather(_local_setup(backends))  # the one exchange: every rank decides alike
+        for rank, (cls, message, *_) in enumerate(everywhere):
+            if cls is not None:
+                raise cls(f"rank {rank}: {message}")
+        requests = [names for _, _, names, _, _ in everywhere]
+        names = requests[0]
+        if any(r != names for r in requests):
+            if all(default for *_, default, _ in everywhere):
+                names = ["mpi"]  # the automatic choice differs between ranks: the backend every rank can run
             else:
-                backends = ["nvshmem"] if _unavailable("nvshmem") is None else ["mpi"]
-                # every rank must pick the same default
-                choices = comm.allgather(tuple(backends))
-                if len(set(choices)) > 1:
-                    backends = ["mpi"]
-        if isinstance(backends, str):
-            backends = [backends]
-        names = list(dict.fromkeys(backends))
-        if not names:
-            raise BackendUnavailableError("backends must name at least one of 'mpi', 'nvshmem'")
-        problems = {name: _unavailable(name) for name in names}
-        local = {k: v for k, v in problems.items() if v}
-        everywhere = comm.allgather(local)
-        bad = [(rank, name, why) for rank, p in enumerate(everywhere) for name, why in p.items()]
+                by_rank = "; ".join(f"rank {r}: {req}" for r, req in enumerate(requests))
+                raise BackendUnavailableError(
+                    f"ranks asked for different backends ({by_rank}); pass the same backends=[...] on every rank"
+                )
+        bad = [(rank, name, p[name]) for rank, (*_, p) in enumerate(everywhere) for name in names if name in p]
         if bad:
             rank, name, why = bad[0]
             raise BackendUnavailableError(f"backend {name!r} is unavailable on rank {rank}: {why}")
@@ -129,6 +202,7 @@ def initialize(
             raise
         _engines.update(started)
         _owner_pid = os.getpid()
+        _communicator = comm
 
 
 def install_engine(engine: Engine) -> None:
@@ -143,7 +217,7 @@ def install_engine(engine: Engine) -> None:
 
 def finalize() -> None:
     """Free every symmetric allocation still registered and tear down the engines (collective)."""
-    global _owner_pid
+    global _owner_pid, _communicator
     from .memory import _free_all
 
     with _lock:
@@ -156,6 +230,7 @@ def finalize() -> None:
             engines = list(_engines.values())
             _engines.clear()
             _owner_pid = None
+            _communicator = None
             for engine in reversed(engines):
                 engine.finalize()
 
@@ -166,6 +241,29 @@ def is_initialized() -> bool:
 
 def initialized_backends() -> tuple[str, ...]:
     return tuple(_engines)
+
+
+def get_context() -> DistributedContext | None:
+    """The initialized runtime's :class:`DistributedContext`, or None before :func:`initialize` (and after
+    :func:`finalize`), as ``nvmath.distributed.get_context``. Local, not collective.
+
+    Raises:
+        RuntimeStateError: in a forked child of an initialized process (it must initialize itself).
+    """
+    with _lock:
+        if not _engines:
+            return None
+        engines = _require()
+        first = next(iter(engines.values()))
+        nvshmem = engines.get("nvshmem")
+        return DistributedContext(
+            device_id=getattr(nvshmem, "device", None),
+            communicator=_communicator,
+            backends=tuple(engines),
+            rank=first.rank,
+            nranks=first.nranks,
+            nvshmem_available=nvshmem is not None,
+        )
 
 
 def _require() -> dict[str, Engine]:

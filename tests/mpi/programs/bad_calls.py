@@ -1,0 +1,382 @@
+"""Misused Reshape calls (options, call order, freed operands, finalize) raise the same exception on every rank.
+
+Prints one ``CASE {json}`` line per rank and case (gathered on rank 0, like bad_inputs.py) with the exception's
+class and message (or "none") and the expected class; a case expecting "none" checks its results against NumPy
+on every rank. After each case a valid reshape proves nobody is stuck. Ends with ``HEAP {json}`` lines (every
+rank's heap must be empty) and the OK lines. NumPy operands on the MPI backend; needs >= 2 ranks.
+``--only TEXT`` runs the cases whose name contains TEXT (to look at one case on its own).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+from _common import COMM, RANK, SIZE, initialize, options, report_ok
+
+import dask_pgas
+from dask_pgas import Reshape, ReshapeOptions
+from dask_pgas.distribution import Box
+from dask_pgas.reshape import reshape
+
+opts = options(lambda p: p.add_argument("--only", default=""))
+assert SIZE >= 2, "bad_calls needs at least 2 ranks"
+assert opts.package == "numpy", "bad_calls runs NumPy operands"
+initialize(opts)
+N = 4 * SIZE  # global shape (N, N): column slabs -> row slabs
+GLOBAL = np.arange(N * N, dtype=np.float64).reshape(N, N)
+
+
+def col(rank=RANK):
+    return Box((0, 4 * rank), (N, 4 * rank + 4))
+
+
+def row(rank=RANK):
+    return Box((4 * rank, 0), (4 * rank + 4, N))
+
+
+def piece(box, g=GLOBAL, order="C"):
+    return np.array(g[tuple(slice(lo, up) for lo, up in zip(box.lower, box.upper))], order=order)
+
+
+def symmetric(box, g=GLOBAL):
+    a = dask_pgas.allocate_symmetric_memory(box.shape, np)
+    a[...] = piece(box, g)
+    return a
+
+
+def release(*arrays):
+    sym = [a for a in arrays if a is not None and dask_pgas.memory.is_symmetric_memory(a)]
+    if sym:
+        dask_pgas.free_symmetric_memory(*sym)
+
+
+def case(name, fn, expect="none"):
+    if opts.only not in name:
+        return
+    try:
+        fn()
+        outcome = {"case": name, "rank": RANK, "raised": "none", "message": ""}
+    except Exception as exc:
+        outcome = {"case": name, "rank": RANK, "raised": type(exc).__name__, "message": str(exc)}
+    outcome["expect"] = expect
+    outcomes = COMM.gather(outcome)
+    if RANK == 0:  # one writer: lines of several ranks never interleave
+        sys.stdout.write("".join("CASE " + json.dumps(o) + "\n" for o in outcomes))
+        sys.stdout.flush()
+    if not dask_pgas.is_initialized():  # a case that finalized leaves the world down: bring it up again
+        initialize(opts)
+    # the world still works: a valid reshape right after
+    b = reshape(piece(col()), col(), row())
+    assert COMM.allreduce(bool(np.array_equal(b, piece(row())))), "world broken after case " + name
+
+
+def planned(operand=None):
+    r = Reshape(piece(col()) if operand is None else operand, col(), row())
+    r.plan()
+    return r
+
+
+# -- D5: options are checked inside the exchanged description -----------------------------------------------------
+case("options: invalid blocking on one rank", lambda: reshape(
+    piece(col()), col(), row(), options={"blocking": "yes"} if RANK == 1 else None), "ValueError")
+case("options: unknown field on one rank", lambda: reshape(
+    piece(col()), col(), row(), options={"block": True} if RANK == 1 else None), "TypeError")
+case("options: not options on one rank", lambda: reshape(
+    piece(col()), col(), row(), options=42 if RANK == 1 else None), "TypeError")
+
+
+def mutated_options():
+    o = ReshapeOptions()
+    if RANK == SIZE - 1:
+        o.blocking = "never"  # assigned after construction: __post_init__ did not see it
+    Reshape(piece(col()), col(), row(), options=o).free()
+
+
+case("options: ReshapeOptions made invalid after construction on one rank", mutated_options, "ValueError")
+case("options: blocking differs across ranks", lambda: reshape(
+    piece(col()), col(), row(), options={"blocking": True} if RANK == 1 else None), "ValueError")
+
+
+# -- D6: call-order preconditions are agreed on before the collective -----------------------------------------------
+def execute_without_plan_on_one_rank():
+    with Reshape(piece(col()), col(), row()) as r:
+        if RANK != 1:
+            r.plan()  # meets rank 1's execute() at the agreement and raises its error
+        r.execute()
+
+
+case("execute without plan() on one rank", execute_without_plan_on_one_rank, "RuntimeStateError")
+
+
+def execute_without_plan():
+    with Reshape(piece(col()), col(), row()) as r:
+        r.execute()
+
+
+case("execute without plan() on every rank", execute_without_plan, "RuntimeStateError")
+
+
+def execute_after_free(ranks):
+    r = planned()
+    if RANK in ranks:
+        r.free()
+    try:
+        r.execute()
+    finally:
+        r.free()
+
+
+case("execute after free() on one rank", lambda: execute_after_free({1}), "RuntimeStateError")
+case("execute after free() on every rank", lambda: execute_after_free(set(range(SIZE))), "RuntimeStateError")
+
+
+def reset_after_free_on_one_rank():
+    r = planned()
+    if RANK == 1:
+        r.free()
+    try:
+        r.reset_operand(piece(col()))
+    finally:
+        r.free()
+
+
+case("reset_operand after free() on one rank", reset_after_free_on_one_rank, "RuntimeStateError")
+
+
+def plan_after_free_on_one_rank():
+    r = Reshape(piece(col()), col(), row())
+    if RANK == SIZE - 1:
+        r.free()
+    try:
+        r.plan()
+    finally:
+        r.free()
+
+
+case("plan after free() on one rank", plan_after_free_on_one_rank, "RuntimeStateError")
+
+
+def plan_twice_on_one_rank():
+    with Reshape(piece(col()), col(), row()) as r:
+        r.plan()
+        if RANK == 0:
+            r.plan()  # a no-op: no rank waits for it
+        assert np.array_equal(r.execute(), piece(row()))
+
+
+case("plan() twice on one rank", plan_twice_on_one_rank)
+
+
+def reset_none_on_one_rank():
+    with planned() as r:
+        r.reset_operand(None if RANK == 1 else piece(col()))
+
+
+case("reset_operand(None) on one rank", reset_none_on_one_rank, "ValueError")
+
+
+# -- D7: a freed symmetric operand is refused, never read ------------------------------------------------------------
+def reshape_of_freed(ranks):
+    a = symmetric(col())
+    live = symmetric(col(), -GLOBAL)
+    dask_pgas.free_symmetric_memory(a)
+    junk = symmetric(col(), GLOBAL * 0 - 5)  # may take the freed memory's place
+    b = None
+    try:
+        b = reshape(a if RANK in ranks else live, col(), row())
+    finally:
+        release(live, junk, b)
+
+
+case("reshape of a freed symmetric operand", lambda: reshape_of_freed(set(range(SIZE))), "SymmetricMemoryError")
+case("reshape of a freed symmetric operand on one rank", lambda: reshape_of_freed({1}), "SymmetricMemoryError")
+
+
+def execute_after_operand_freed():
+    a = symmetric(col())
+    r = planned(a)
+    dask_pgas.free_symmetric_memory(a)
+    junk = symmetric(col(), GLOBAL * 0 - 5)
+    b = None
+    try:
+        b = r.execute()
+    finally:
+        r.free()
+        release(junk, b)
+
+
+case("execute after its symmetric operand was freed", execute_after_operand_freed, "SymmetricMemoryError")
+
+
+def reset_to_freed_on_one_rank():
+    a, c = symmetric(col()), symmetric(col())
+    dask_pgas.free_symmetric_memory(c)
+    try:
+        with planned(a) as r:
+            r.reset_operand(c if RANK == 1 else a)
+    finally:
+        release(a)
+
+
+case("reset_operand to a freed symmetric array on one rank", reset_to_freed_on_one_rank, "SymmetricMemoryError")
+
+
+def symmetric_operand_reset_and_executed():
+    a, c = symmetric(col()), symmetric(col(), GLOBAL + 1)
+    results = []
+    try:
+        with planned(a) as r:
+            results.append(r.execute())
+            r.reset_operand(c)
+            dask_pgas.free_symmetric_memory(a)  # no longer the operand: fine
+            a = None
+            results.append(r.execute())
+        assert np.array_equal(results[0], piece(row())) and np.array_equal(results[1], piece(row(), GLOBAL + 1))
+    finally:
+        release(a, c, *results)
+
+
+case("symmetric operand: reset, free the old one, execute", symmetric_operand_reset_and_executed)
+
+
+# -- P4: release_operand ---------------------------------------------------------------------------------------------
+def execute_after_release(ranks):
+    with planned() as r:
+        if RANK in ranks:
+            r.release_operand()
+        r.execute()
+
+
+case("execute after release_operand()", lambda: execute_after_release(set(range(SIZE))), "RuntimeStateError")
+case("execute after release_operand() on one rank", lambda: execute_after_release({1}), "RuntimeStateError")
+
+
+def release_then_reset():
+    with planned() as r:
+        r.release_operand()
+        r.release_operand()  # twice: nothing to do
+        assert r._operand is None and r._source is None
+        r.reset_operand(piece(col(), GLOBAL * 3))
+        assert np.array_equal(r.execute(), piece(row(), GLOBAL * 3))
+    r.release_operand()  # after free(): nothing to do
+
+
+case("release_operand, reset_operand, execute", release_then_reset)
+
+
+def release_drops_the_reference():
+    import weakref
+
+    a = piece(col())
+    r = planned(a)
+    ref = weakref.ref(a)
+    r.release_operand()
+    del a
+    alive = ref() is not None
+    r.free()
+    assert not alive, "release_operand() kept a reference to the operand"
+
+
+case("release_operand drops the reference", release_drops_the_reference)
+
+
+# -- D10: a rank whose operand was copied to conform sees in-place updates like the others --------------------------
+def inplace_updates(make):
+    a = make(piece(col()))
+    with Reshape(a, col(), row()) as r:
+        r.plan()
+        first = r.execute()
+        assert np.array_equal(first, piece(row()))
+        for k in (2, 3):
+            a[...] = piece(col(), GLOBAL * k + 1)  # in place, on every rank
+            assert np.array_equal(r.execute(), piece(row(), GLOBAL * k + 1)), f"update {k} not seen"
+
+
+case("mixed C/F layouts: in-place updates seen on every rank",
+     lambda: inplace_updates(lambda x: np.asfortranarray(x) if RANK == 0 else x))
+case("non-contiguous operand on one rank: in-place updates seen",
+     lambda: inplace_updates(lambda x: np.repeat(x, 2, axis=1)[:, ::2] if RANK == 1 else x))
+
+
+def reset_to_other_layout():
+    with planned() as r:
+        b = piece(col(), GLOBAL * 5)
+        new = np.asfortranarray(b) if RANK == 0 else b
+        r.reset_operand(new)
+        assert np.array_equal(r.execute(), piece(row(), GLOBAL * 5))
+        new[...] = 7
+        assert np.array_equal(r.execute(), np.full(row().shape, 7.0))
+
+
+case("reset_operand to another layout: in-place updates seen", reset_to_other_layout)
+
+
+# -- P1-P3: nvmath.distributed signatures ----------------------------------------------------------------------------
+def nvmath_signatures():
+    a = piece(col())
+    with Reshape(a, col(), row(), options=ReshapeOptions(blocking=True)) as r:
+        r.plan(None)
+        r.plan(stream=None)
+        assert np.array_equal(r.execute(None), piece(row()))
+        assert np.array_equal(r.execute(None, True), piece(row()))  # stream, release_workspace
+        assert np.array_equal(r.execute(None, False, True), piece(row()))  # ..., sync_symmetric_memory
+        out = r.execute(stream=None, release_workspace=True, sync_symmetric_memory=False)
+        assert np.array_equal(out, piece(row()))
+        r.reset_operand(piece(col(), GLOBAL - 1), stream=None)
+        assert np.array_equal(r.execute(), piece(row(), GLOBAL - 1))
+        try:
+            r.reset_operand(a, None)  # stream is keyword-only, as in nvmath
+        except TypeError:
+            pass
+        else:
+            raise AssertionError("reset_operand accepted stream positionally")
+
+
+case("nvmath signatures: plan(stream), execute(stream, release_workspace, sync), reset_operand(*, stream)",
+     nvmath_signatures)
+
+
+# -- D8: after finalize ----------------------------------------------------------------------------------------------
+def after_finalize(method, reinitialize=False):
+    r = planned()
+    dask_pgas.finalize()
+    if reinitialize:
+        initialize(opts)
+    {"execute": r.execute, "plan": r.plan, "reset_operand": lambda: r.reset_operand(piece(col()))}[method]()
+
+
+case("execute after finalize()", lambda: after_finalize("execute"), "RuntimeStateError")
+case("execute after finalize() and initialize()", lambda: after_finalize("execute", True), "RuntimeStateError")
+case("reset_operand after finalize()", lambda: after_finalize("reset_operand"), "RuntimeStateError")
+
+
+def unplanned_plan_after_finalize():
+    r = Reshape(piece(col()), col(), row())
+    dask_pgas.finalize()
+    r.plan()
+
+
+case("plan after finalize()", unplanned_plan_after_finalize, "RuntimeStateError")
+
+
+def context_exit_after_finalize():
+    with Reshape(piece(col()), col(), row()) as r:
+        r.plan()
+        dask_pgas.finalize()
+        r.release_operand()
+    # free() ran in __exit__ without touching the finalized runtime's communicators
+
+
+case("free() and release_operand() after finalize()", context_exit_after_finalize)
+
+
+usage = dask_pgas.heap_usage()
+lines = COMM.gather("HEAP " + json.dumps({"rank": RANK, **usage}) + "\n")
+if RANK == 0:
+    sys.stdout.write("".join(lines))
+    sys.stdout.flush()
+assert usage["allocations"] == 0, f"symmetric memory leaked: {usage}"
+dask_pgas.finalize()
+report_ok()

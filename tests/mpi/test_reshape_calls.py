@@ -1,0 +1,44 @@
+"""Misused Reshape calls on some or all ranks: the same exception everywhere, no hang, no leak (one mpiexec run)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.mpirun import agreed_outcomes, check, json_lines, run_mpi
+
+pytestmark = pytest.mark.mpi
+
+# case -> a piece of the message every rank must raise (cases expecting "none" check results against NumPy)
+MESSAGES = {
+    "options: invalid blocking on one rank": "rank 1: blocking must be",
+    "options: unknown field on one rank": "rank 1: unknown ReshapeOptions field(s) ['block']",
+    "options: not options on one rank": "rank 1: options must be a ReshapeOptions or a dict",
+    "options: blocking differs across ranks": "options are inconsistent across processes",
+    "execute without plan() on one rank": "rank 1: call plan() before execute()",
+    "execute after free() on one rank": "rank 1: this Reshape was freed",
+    "reset_operand after free() on one rank": "rank 1: this Reshape was freed",
+    "reset_operand(None) on one rank": "rank 1: reset_operand() needs an operand",
+    "reshape of a freed symmetric operand on one rank": "rank 1: the operand was freed with free_symmetric_memory()",
+    "execute after its symmetric operand was freed": "the operand was freed with free_symmetric_memory()",
+    "reset_operand to a freed symmetric array on one rank": "rank 1: the operand was freed",
+    "execute after release_operand() on one rank": "rank 1: execute() cannot run after release_operand()",
+    "execute after finalize()": "the runtime was finalized; create a new Reshape",
+    "execute after finalize() and initialize()": "the runtime was finalized; create a new Reshape",
+}
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_misused_calls_raise_the_same_error_on_every_rank(nranks):
+    result = run_mpi("bad_calls.py", nranks, timeout=180)
+    check(result, nranks)
+    outcomes = agreed_outcomes(result, nranks)  # every rank: same class, same message
+    assert len(outcomes) == 31, sorted(outcomes)
+    for name, outcome in outcomes.items():
+        assert outcome["raised"] == outcome["expect"], (name, outcome)
+        if outcome["expect"] != "none":
+            assert outcome["message"].strip(), name
+    for name, text in MESSAGES.items():
+        assert text in outcomes[name]["message"], (name, outcomes[name]["message"])
+    heaps = json_lines(result, "HEAP")
+    assert sorted(h["rank"] for h in heaps) == list(range(nranks))
+    assert all(h["allocations"] == 0 and h["bytes"] == 0 for h in heaps), heaps
