@@ -8,6 +8,7 @@
 # distributed, dask-mpi and their pure-Python dependencies. `upload` installs the wheels and runs the CPU-side
 # tests there; `upload2` brings NVSHMEM up from a unique id at 1, 2 and 4 PEs (no cuFFTMp needed). Any other
 # call reassembles cuFFTMp once (when not there yet) and runs its JOBs in order:
+#   robust    the core's collective-check programs and random-layout suite under Open MPI (mpi backend)
 #   engine    pytest tests/gpu; gpu_checks at 1, 2 and 4 PEs; the core suite (random layouts against NumPy)
 #             with CuPy, torch and NumPy at 2-4 PEs (side by side)
 #   mps       gpu_checks, the CuPy core suite and the Dask suite at 2 and 4 PEs under MPS
@@ -100,6 +101,12 @@ job_mps() {
   done
   mps_stop
   grep -h "passed\|failed" "$OUT"/mps-dask*.log >>"$S" 2>/dev/null
+}
+job_robust() {
+  step "core collective checks and random layouts under Open MPI (mpi backend, 1-4 ranks)" 240 "$OUT/robust.log" \
+    python3 -m pytest -q -p no:cacheprovider tests/mpi/test_collective_setup.py tests/mpi/test_reshape_calls.py \
+      tests/mpi/test_reshape_mpi.py
+  grep -h "passed\|failed" "$OUT/robust.log" >>"$S" 2>/dev/null
 }
 job_dask() {
   for k in 1 2 4; do
