@@ -63,40 +63,17 @@ def _element_type(dtype: np.dtype):
 
     try:
         datatype = dtlib.from_numpy_dtype(dtype)
-    except (ValueError, TypeError, KeyError):  # unmapped: void, byte-swapped, ...
+    except (ValueError, TypeError, KeyError, MPI.Exception):  # unmapped (void, byte-swapped, ...), or a type
+        # this MPI lacks (Open MPI 4.1's dtlib raises MPI_ERR_TYPE for float16)
         datatype = None
     if datatype is not None:
         if datatype.size == dtype.itemsize and datatype.extent == dtype.itemsize:
             if datatype.is_predefined:
-                if _usable(datatype, dtype):
-                    return datatype, False
-            else:
-                datatype.Commit()
-                if _usable(datatype, dtype):
-                    return datatype, True
+                return datatype, False
+            return datatype.Commit(), True
         if not datatype.is_predefined:
             datatype.Free()
     return MPI.BYTE.Create_contiguous(dtype.itemsize).Commit(), True
-
-
-_USABLE: dict[tuple, bool] = {}
-
-
-def _usable(datatype, dtype: np.dtype) -> bool:
-    """Whether this MPI library can move ``datatype`` at all: one element to this rank itself (local; cached
-    per dtype). Open MPI 4.1 has a handle for dtlib's float16 type but fails every transfer of it with
-    MPI_ERR_TYPE; the same MPI gives the same answer on every rank, so every rank picks the same type."""
-    from mpi4py import MPI
-
-    key = (repr(dtype), dtype.itemsize)  # (fields, offsets and padding included)
-    if key not in _USABLE:
-        src, dst = np.zeros(1, dtype).view(np.uint8), np.ones(1, dtype).view(np.uint8)
-        try:
-            MPI.COMM_SELF.Sendrecv([src, 1, datatype], 0, 0, [dst, 1, datatype], 0, 0)
-            _USABLE[key] = bool((src == dst).all())
-        except MPI.Exception:
-            _USABLE[key] = False
-    return _USABLE[key]
 
 
 class MPIReshapePlan(ReshapePlan):
