@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import json
 import os
 import random
 import sys
@@ -82,4 +83,22 @@ def report_ok(**info) -> None:
     lines = COMM.gather(f"OK rank={RANK} " + " ".join(f"{k}={v}" for k, v in info.items()) + "\n")
     if RANK == 0:  # one writer: lines of several ranks never interleave
         sys.stdout.write("".join(lines))
+        sys.stdout.flush()
+
+
+def outcome_of(fn) -> dict:
+    """What ``fn()`` did on this rank: the exception class and message it raised, or none."""
+    try:
+        fn()
+    except Exception as exc:
+        return {"raised": type(exc).__name__, "message": str(exc)}
+    return {"raised": "none", "message": ""}
+
+
+def report_case(name: str, outcome: dict) -> None:
+    """Gather every rank's ``outcome`` of case ``name``; rank 0 prints them as ``CASE`` lines (one writer, so the
+    ranks' lines never interleave; ``tests.mpirun.agreed_outcomes`` reads them)."""
+    outcomes = COMM.gather({"case": name, "rank": RANK, **outcome})
+    if RANK == 0:
+        sys.stdout.write("".join("CASE " + json.dumps(o) + "\n" for o in outcomes))
         sys.stdout.flush()

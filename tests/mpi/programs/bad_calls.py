@@ -13,7 +13,7 @@ import json
 import sys
 
 import numpy as np
-from _common import COMM, RANK, SIZE, initialize, options, report_ok
+from _common import COMM, RANK, SIZE, initialize, options, outcome_of, report_case, report_ok
 
 import dask_pgas
 from dask_pgas import Reshape, ReshapeOptions
@@ -55,16 +55,7 @@ def release(*arrays):
 def case(name, fn, expect="none"):
     if opts.only not in name:
         return
-    try:
-        fn()
-        outcome = {"case": name, "rank": RANK, "raised": "none", "message": ""}
-    except Exception as exc:
-        outcome = {"case": name, "rank": RANK, "raised": type(exc).__name__, "message": str(exc)}
-    outcome["expect"] = expect
-    outcomes = COMM.gather(outcome)
-    if RANK == 0:  # one writer: lines of several ranks never interleave
-        sys.stdout.write("".join("CASE " + json.dumps(o) + "\n" for o in outcomes))
-        sys.stdout.flush()
+    report_case(name, {**outcome_of(fn), "expect": expect})
     if not dask_pgas.is_initialized():  # a case that finalized leaves the world down: bring it up again
         initialize(opts)
     # the world still works: a valid reshape right after

@@ -7,11 +7,8 @@ Needs >= 2 ranks.
 
 from __future__ import annotations
 
-import json
-import sys
-
 import numpy as np
-from _common import COMM, RANK, SIZE, initialize, options, report_ok
+from _common import COMM, RANK, SIZE, initialize, options, outcome_of, report_case, report_ok
 
 import dask_pgas
 from dask_pgas.distribution import Box
@@ -50,15 +47,7 @@ def release(*arrays):
 
 
 def case(name, fn):
-    try:
-        fn()
-        outcome = {"case": name, "rank": RANK, "raised": "none", "message": ""}
-    except Exception as exc:
-        outcome = {"case": name, "rank": RANK, "raised": type(exc).__name__, "message": str(exc)}
-    outcomes = COMM.gather(outcome)
-    if RANK == 0:  # one writer: lines of several ranks never interleave
-        sys.stdout.write("".join("CASE " + json.dumps(o) + "\n" for o in outcomes))
-        sys.stdout.flush()
+    report_case(name, outcome_of(fn))
     # the world still works: a valid reshape right after
     a = operand(col().shape)
     b = reshape(a, col(), row())

@@ -10,12 +10,10 @@ leaves nothing behind and ``finalize`` after it is a no-op. Needs >= 2 ranks; MP
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import sys
 
 import numpy as np
-from _common import COMM, RANK, SIZE, report_ok
+from _common import COMM, RANK, SIZE, outcome_of, report_case, report_ok
 
 import dask_pgas
 from dask_pgas import runtime
@@ -27,17 +25,8 @@ GPU_STACK = "nvshmem" in dask_pgas.available_backends()
 
 
 def case(name, fn, expect=None):
-    try:
-        fn()
-        outcome = {"case": name, "rank": RANK, "raised": "none", "message": ""}
-    except Exception as exc:
-        outcome = {"case": name, "rank": RANK, "raised": type(exc).__name__, "message": str(exc)}
-    outcome["expect"] = expect or "none"
-    outcome["heap"] = dask_pgas.heap_usage()["allocations"]
-    outcomes = COMM.gather(outcome)
-    if RANK == 0:  # one writer: lines of several ranks never interleave
-        sys.stdout.write("".join("CASE " + json.dumps(o) + "\n" for o in outcomes))
-        sys.stdout.flush()
+    outcome = outcome_of(fn)
+    report_case(name, {**outcome, "expect": expect or "none", "heap": dask_pgas.heap_usage()["allocations"]})
 
 
 # -- initialize ----------------------------------------------------------------------------------------------------

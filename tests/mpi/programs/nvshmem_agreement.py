@@ -14,13 +14,12 @@ import contextlib
 import ctypes
 import dataclasses
 import importlib.machinery
-import json
 import os
 import sys
 import types
 
 import numpy as np
-from _common import COMM, RANK, SIZE, report_ok
+from _common import COMM, RANK, SIZE, outcome_of, report_case, report_ok
 
 import dask_pgas
 from dask_pgas import memory
@@ -176,20 +175,12 @@ def case(name, fn):
     if os.environ.get("CASES", "") not in name:
         return
     before = NV.calls.copy(), CF.calls.copy()
-    try:
-        fn()
-        outcome = {"raised": "none", "message": ""}
-    except Exception as exc:
-        outcome = {"raised": type(exc).__name__, "message": str(exc)}
+    outcome = outcome_of(fn)
     DRV.fail = CF.fail = None
     DRV.free, DRV.bus = FakeDriver.free, FakeDriver.bus
     cufftmp.load = lambda: CF
     calls = {k: v for k, v in ((NV.calls - before[0]) + (CF.calls - before[1])).items() if v}
-    outcome.update(case=name, rank=RANK, calls=calls, initialized=dask_pgas.is_initialized())
-    outcomes = COMM.gather(outcome)
-    if RANK == 0:  # one writer: lines of several ranks never interleave
-        sys.stdout.write("".join("CASE " + json.dumps(o) + "\n" for o in outcomes))
-        sys.stdout.flush()
+    report_case(name, {**outcome, "calls": calls, "initialized": dask_pgas.is_initialized()})
 
 
 def initialize():

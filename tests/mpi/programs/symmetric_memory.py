@@ -6,12 +6,10 @@ Prints ``CASE {json}`` lines (from rank 0, gathered) like bad_inputs.py. Works o
 from __future__ import annotations
 
 import gc
-import json
-import sys
 import warnings
 
 import numpy as np
-from _common import COMM, RANK, SIZE, initialize, options, report_ok
+from _common import COMM, RANK, SIZE, initialize, options, outcome_of, report_case, report_ok
 
 import dask_pgas
 from dask_pgas import errors
@@ -21,16 +19,7 @@ PKG = opts.package
 
 
 def case(name, fn, expect=None):
-    try:
-        fn()
-        outcome = {"case": name, "rank": RANK, "raised": "none", "message": ""}
-    except Exception as exc:
-        outcome = {"case": name, "rank": RANK, "raised": type(exc).__name__, "message": str(exc)}
-    outcome["expect"] = expect or "none"
-    outcomes = COMM.gather(outcome)
-    if RANK == 0:
-        sys.stdout.write("".join("CASE " + json.dumps(o) + "\n" for o in outcomes))
-        sys.stdout.flush()
+    report_case(name, {**outcome_of(fn), "expect": expect or "none"})
 
 
 # -- runtime state ----------------------------------------------------------------------------------------------
