@@ -17,6 +17,7 @@
 #   cancel    the two cancel tests, 5 times on 4 GPU workers
 #   notebook  notebooks/01_pgas_rechunk.ipynb cell by cell on 1 and 2 GPU workers (1 GiB)
 #   demo      the README's main job (embedded default: one worker per GPU)
+#   enginebench  the engine benchmark at 1, 2 and 4 PEs (Reshape.execute against the bare plan and a D2D copy)
 #   bench     the engine benchmark at 1, 2 and 4 PEs; the rechunk benchmark on 1, 2 and 4 workers beside Dask
 #   large     the rechunk benchmark on 1 worker at 32, 48 and 56 GiB
 #   p2p       Dask p2p on CuPy chunks without dask_pgas, as released and with the candidate fix
@@ -139,14 +140,17 @@ job_demo() {
   step "main job (dask-pgas demo, embedded default: one worker per GPU)" 120 "$OUT/demo.log" python3 -m dask_pgas.cli demo
   grep -h "GB/s\|pgas vs\|copy\|WRONG" "$OUT/demo.log" >>"$S" 2>/dev/null
 }
-job_bench() {
+job_enginebench() {
   for np_ in 1 2 4; do
     step "engine bench np=$np_" 60 "$OUT/bench.log" $MPIRUN -n $np_ python3 benchmarks/bench_gpu_reshape.py
   done
+  grep -h "^BENCH" "$OUT/bench.log" >>"$S" 2>/dev/null
+}
+job_bench() {
+  job_enginebench
   rechunk_bench 1 512MiB,4GiB,16GiB 200 "$OUT/bench-rechunk1.log" --repeats 5 --p2p-cupy-fix
   rechunk_bench 2 1GiB,4GiB 200 "$OUT/bench-rechunk2.log" --repeats 3 --p2p-cupy-fix
   rechunk_bench 4 1GiB 150 "$OUT/bench-rechunk4.log" --repeats 3 --p2p-cupy-fix
-  grep -h "^BENCH" "$OUT/bench.log" >>"$S" 2>/dev/null
   grep -h "GB/s\|floor\|Error\|worker" "$OUT"/bench-rechunk*.log >>"$S" 2>/dev/null
 }
 job_large() {
