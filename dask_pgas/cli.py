@@ -9,6 +9,7 @@ checks the result and prints the GB/s beside Dask's ``tasks`` and ``p2p`` on the
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -92,14 +93,14 @@ def device_copy_seconds(nbytes: int, repeats: int = 5) -> float:
 
 def demo(args: argparse.Namespace) -> int:
     import dask.array as da
-    from dask.utils import format_bytes, parse_bytes
+    from dask.utils import format_bytes
     from distributed import Client, wait
 
     import dask_pgas
 
     gpus = 0 if args.cpu else _gpu_count()
     workers = args.workers or (gpus or 4)
-    nbytes = parse_bytes(args.size)
+    nbytes = args.size
     parts = max(workers, 4)  # slabs: with fewer than 4 workers several per worker (1 worker: no no-op rechunk)
     n = max(int((nbytes / 8) ** 0.5) // parts * parts, parts)
     cols, rows = (n, n // parts), (n // parts, n)
@@ -163,27 +164,65 @@ def show_world(args: argparse.Namespace) -> int:
 
     import dask_pgas
 
-    with Client(scheduler_file=args.scheduler_file) as client:
+    try:
+        client = Client(scheduler_file=args.scheduler_file, timeout=args.timeout)
+    except OSError as exc:  # a stale file: the scheduler that wrote it is gone
+        print(f"dask-pgas world: no scheduler answers at the address in {args.scheduler_file} ({exc})",
+              file=sys.stderr)
+        return 1
+    with client:
         dask_pgas.bootstrap(client)
         print(dask_pgas.world(client, detail=True))
     return 0
+
+
+def _size(text: str) -> int:
+    """argparse type: a positive byte count such as 64MiB."""
+    from dask.utils import parse_bytes
+
+    try:
+        n = parse_bytes(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 64MiB, 1GiB)") from None
+    if n < 8:
+        raise argparse.ArgumentTypeError(f"the size must be at least 8 bytes, got {text!r}")
+    return n
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dask-pgas", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="rechunk ~1 GiB column slabs -> row slabs and back; compare with tasks/p2p")
-    p.add_argument("--size", default="1GiB", help="array size (default 1GiB; e.g. 64MiB for CI)")
-    p.add_argument("--workers", type=int, default=None, help="workers (default: one per GPU, else 4)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--size", type=_size, default="1GiB", help="array size (default 1GiB; e.g. 64MiB for CI)")
+    p.add_argument("--workers", type=_positive, default=None, help="workers (default: one per GPU, else 4)")
+    p.add_argument("--repeats", type=_positive, default=3)
     p.add_argument("--cpu", action="store_true", help="CPU workers even when GPUs are present")
     p.add_argument("--pgas-only", action="store_true", help="skip the tasks/p2p comparison")
     p.set_defaults(func=demo)
     w = sub.add_parser("world", help="bootstrap and show the PGAS world of a running cluster")
     w.add_argument("--scheduler-file", required=True)
+    w.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the scheduler (default 30)")
     w.set_defaults(func=show_world)
     args = parser.parse_args(argv)
-    return args.func(args)
+    if args.command == "world" and not os.path.exists(args.scheduler_file):
+        # distributed would wait for the file for ever; dask-mpi removes it when its cluster shuts down
+        parser.error(f"no scheduler file {args.scheduler_file}: start the cluster first (dask-mpi "
+                     "--scheduler-file ...), or check the path")
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("dask-pgas: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

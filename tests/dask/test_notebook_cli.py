@@ -60,3 +60,35 @@ def test_timer_raises_for_a_failed_method():
         assert seconds > 0
         with pytest.raises(RuntimeError, match="this method failed"):
             timed_persist(client, lambda: x.map_blocks(_fail, dtype=x.dtype, meta=x._meta), 1, warmup=True)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["demo", "--size", "bogus"], "not a size"),
+    (["demo", "--size=-8MiB"], "at least 8 bytes"),
+    (["demo", "--repeats", "0"], "must be at least 1"),
+    (["demo", "--workers", "0"], "must be at least 1"),
+    (["demo", "--workers", "-1"], "must be at least 1"),
+    (["world", "--scheduler-file", "/nonexistent/scheduler.json"], "no scheduler file"),
+])
+def test_cli_refuses_bad_arguments_before_starting_anything(args, message, capsys):
+    """Bad arguments exit with argparse's usage error (2), before a cluster starts; a missing scheduler file
+    used to make ``world`` wait for ever (distributed polls for the file)."""
+    from dask_pgas.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_world_with_a_stale_scheduler_file(tmp_path, capsys):
+    """A scheduler file whose scheduler is gone: a clear message and exit 1 after --timeout, not a traceback."""
+    import json
+
+    from dask_pgas.cli import main
+
+    stale = tmp_path / "scheduler.json"
+    stale.write_text(json.dumps({"type": "Scheduler", "id": "gone", "address": "tcp://127.0.0.1:1",
+                                 "services": {}, "started": 0, "workers": {}}))
+    assert main(["world", "--scheduler-file", str(stale), "--timeout", "2"]) == 1
+    assert "no scheduler answers" in capsys.readouterr().err
