@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +11,8 @@ from ._scheduler_plugin import PGASSchedulerPlugin
 from ._worker_plugin import PGASWorkerPlugin
 
 __all__ = ["World", "bootstrap", "teardown", "world"]
+
+logger = logging.getLogger("dask_pgas.integration")
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,12 @@ def bootstrap(client=None, *, backends=None, timeout=None) -> World:
     result = client.sync(client.scheduler.pgas_bootstrap, backends=backends, timeout=timeout)
     if result["status"] != "OK":
         raise PGASWorldError(f"dask_pgas.bootstrap failed: {result['message']}")
+    if backends is not None:
+        wanted = [backends] if isinstance(backends, str) else list(backends)
+        if wanted != list(result["backends"]):  # only an intact world, returned as is, differs
+            logger.warning("dask_pgas.bootstrap(backends=%s): the cluster already has an intact PGAS world on %s, "
+                           "returned as is; dask_pgas.teardown(client) first to change backends",
+                           wanted, list(result["backends"]))
     return _world_from(result)
 
 
@@ -83,6 +92,8 @@ def world(client=None, *, detail: bool = False) -> World | None:
     try:
         d = client.sync(client.scheduler.pgas_world, detail=detail)
     except Exception:
+        return None
+    if not isinstance(d, dict):  # no ``pgas_world`` handler on the scheduler: never bootstrapped
         return None
     if not d["workers"] and not d["broken"]:
         return None

@@ -7,6 +7,9 @@ On start the PGAS world is bootstrapped (``bootstrap=False`` to skip). ``close()
 collectively, shuts the scheduler and workers down and kills whatever is left: no processes stay behind, and
 if the launching process dies without closing, the scheduler and workers notice within a second and exit.
 MPICH's per-job shared-memory files, which a killed job leaves in ``/dev/shm``, are removed when the job ends.
+A cluster that is dropped without ``close()`` (garbage-collected, or the interpreter exits) has its processes
+killed; its temporary directory (logs, scheduler file, worker spill space) is removed then and at ``close()``
+(``cluster.logs()`` keeps working: it returns what the logs held at close).
 GPU workers (``gpus=N``) get no host memory limit by default (``memory_limit=None``): Dask sizes CuPy chunks as
 if they were host memory and would spill or pause on device bytes; CPU workers default to ``"auto"``.
 """
@@ -22,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from typing import Any
 
 from distributed.core import Status
@@ -68,6 +72,85 @@ def _launcher_env(mpiexec: str, env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+_LOG_TAIL = 1 << 20  # bytes of each log kept by ``logs()`` after close
+_ERROR_TAIL = 4000  # characters of a log quoted in a start error
+
+
+def _read_log(path: str, limit: int = _LOG_TAIL) -> str:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - limit))
+        text = f.read().decode(errors="replace")
+    return text if size <= limit else f"[... {size - limit} bytes left out ...]\n{text}"
+
+
+def _stop_client(client) -> None:
+    """Close ``client`` and stop its IO-loop thread.
+
+    ``Client.shutdown()`` leaves the client closed, so a later ``Client.close()`` returns at once without stopping the
+    loop thread it started (distributed 2026.8 has no public call for that): each close would leak a thread and
+    its sockets. ``LoopRunner.stop()`` only stops a loop the runner created itself."""
+    try:
+        client.close(timeout=10)
+    except Exception:
+        pass
+    runner = getattr(client, "_loop_runner", None)
+    if runner is not None:
+        try:
+            runner.stop()
+        except Exception:  # pragma: no cover
+            pass
+
+
+def _kill(procs: list, logs: list, shm: dict) -> None:
+    """SIGTERM, then SIGKILL, every process group still running; close the logs; remove the MPI library's
+    shared-memory files once every job has ended."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [p for p in procs if p.poll() is None]
+        for p in alive:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        for p in alive:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+    for log in logs:
+        log.close()
+    if not any(p.poll() is None for p in procs):  # every job has ended: its files are leftovers
+        for files in shm.values():
+            _orphan_guard.remove_files(files)
+        shm.clear()
+
+
+def _cleanup(stop: threading.Event, lock: threading.RLock, procs: list, logs: list, shm: dict,
+             directory: str) -> None:
+    """The end of a cluster (``close()``, or a cluster dropped unclosed): stop the watcher, kill what is left and
+    remove the temporary directory. Holds no reference to the cluster (``weakref.finalize``)."""
+    with lock:  # the watcher starts no new worker job after this
+        stop.set()
+    _kill(procs, logs, shm)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _watch(ref: weakref.ref, stop: threading.Event, lock: threading.RLock) -> None:
+    """The watcher thread: holds the cluster only for one step, so an unreferenced cluster is collected."""
+    while not stop.wait(0.2):
+        with lock:
+            if stop.is_set():
+                return
+            cluster = ref()
+            if cluster is None:
+                return
+            try:
+                cluster._watch_step()
+            finally:
+                del cluster  # (the cluster's finalizer may run here, in this thread, once the lock is released)
+
+
 class _Done:
     """``close()`` result that also works with ``await`` (``Client.shutdown`` awaits ``cluster.close()``)."""
 
@@ -98,6 +181,11 @@ class LocalMPICluster:
     ) -> None:
         self.n_workers = n_workers
         self.status = Status.created
+        self.world = None
+        self.restarts = 0
+        self._restart_workers = restart_workers
+        self._watcher: threading.Thread | None = None
+        self._closed_logs: str | None = None
         self._dir = tempfile.mkdtemp(prefix="dask-pgas-cluster-")
         self.scheduler_file = os.path.join(self._dir, "scheduler.json")
         self._env = {**os.environ, **(env or {})}
@@ -110,12 +198,18 @@ class LocalMPICluster:
         self._procs: list[subprocess.Popen] = []
         self._logs: list = []
         self._shm: dict[int, set[str]] = {}  # worker job's PID -> MPICH's /dev/shm files it left to remove
+        self._stop = threading.Event()
+        self._lock = threading.RLock()
+        # the cleanup runs once: at close(), when the cluster is garbage-collected, or at interpreter exit
+        self._finalizer = weakref.finalize(self, _cleanup, self._stop, self._lock, self._procs, self._logs,
+                                           self._shm, self._dir)
         try:
             self._scheduler = self._spawn(
                 "scheduler",
                 [sys.executable, "-m", "distributed.cli.dask_scheduler", "--scheduler-file", self.scheduler_file,
                  "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
                  "--preload", "dask_pgas.integration._orphan_guard"],
+                {**self._env, _orphan_guard.DIR_ENV: self._dir},  # removed by the scheduler if orphaned
             )
             self._wait_for_file(timeout)
             mpiexec = _mpiexec()
@@ -129,37 +223,35 @@ class LocalMPICluster:
             self._workers = self._spawn("workers", self._worker_cmd, self._worker_env)
             from distributed import Client
 
-            with Client(self.scheduler_address, timeout=timeout) as client:
-                client.wait_for_workers(n_workers, timeout=timeout)
+            with Client(self.scheduler_address, timeout=timeout, set_as_default=False) as client:
+                self._wait_for_workers(client, timeout)
                 self._note_shm()
                 if bootstrap:
                     from ._client import bootstrap as _bootstrap
 
                     self.world = _bootstrap(client, backends=backends)
             self.status = Status.running
-            self.restarts = 0
-            self._restart_workers = restart_workers
-            self._watcher = threading.Thread(target=self._watch, name="LocalMPICluster-watch", daemon=True)
+            self._watcher = threading.Thread(target=_watch, args=(weakref.ref(self), self._stop, self._lock),
+                                             name="LocalMPICluster-watch", daemon=True)
             self._watcher.start()
         except BaseException:
-            self._kill()
+            self.status = Status.closed
+            self._finalizer()  # the error quotes the logs: the directory goes
             raise
 
     # ------------------------------------------------------------------ processes
-    def _watch(self) -> None:
+    def _watch_step(self) -> None:
         """One MPI rank dying takes the whole MPI job down (MPICH's hydra kills the others): start a new job
         of workers, so the cluster keeps computing; the PGAS world stays broken until bootstrapped again."""
-        while self.status == Status.running:
-            time.sleep(0.2)
-            if self._workers.poll() is None:
-                if self._workers.pid not in self._shm:  # a restarted job, once its ranks are up
-                    self._note_shm(final=time.monotonic() - self._spawned_at > 30)
-                continue
-            if self.status != Status.running or not self._restart_workers:
-                continue
-            _orphan_guard.remove_files(self._shm.pop(self._workers.pid, ()))
-            self.restarts += 1
-            self._workers = self._spawn(f"workers-{self.restarts}", self._worker_cmd, self._worker_env)
+        if self._workers.poll() is None:
+            if self._workers.pid not in self._shm:  # a restarted job, once its ranks are up
+                self._note_shm(final=time.monotonic() - self._spawned_at > 30)
+            return
+        if self.status != Status.running or not self._restart_workers:
+            return
+        _orphan_guard.remove_files(self._shm.pop(self._workers.pid, ()))
+        self.restarts += 1
+        self._workers = self._spawn(f"workers-{self.restarts}", self._worker_cmd, self._worker_env)
 
     def _note_shm(self, final: bool = True) -> None:
         """Remember the MPI library's shared-memory files of the running worker job (to remove at its end).
@@ -179,18 +271,45 @@ class LocalMPICluster:
         self._procs.append(proc)
         return proc
 
+    def _log_tail(self, what: str) -> str:
+        try:
+            return _read_log(os.path.join(self._dir, f"{what}.log"), _ERROR_TAIL)
+        except OSError:
+            return ""
+
     def _wait_for_file(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._scheduler.poll() is not None:
-                raise RuntimeError(f"the scheduler exited at start:\n{self.logs()}")
+                raise RuntimeError(f"the scheduler exited at start:\n{self._log_tail('scheduler')}")
             try:
                 with open(self.scheduler_file) as f:
                     self._info = json.load(f)
                 return
             except (OSError, ValueError):
                 time.sleep(0.05)
-        raise TimeoutError(f"no scheduler after {timeout}s:\n{self.logs()}")
+        raise TimeoutError(f"no scheduler after {timeout}s:\n{self._log_tail('scheduler')}")
+
+    def _wait_for_workers(self, client, timeout: float) -> None:
+        """Wait for ``n_workers`` workers; fail at once, quoting its output, if the worker job (or the scheduler)
+        exits first (a bad ``mpiexec_args`` or ``memory_limit``)."""
+        from distributed.exceptions import WorkerStartTimeoutError
+
+        deadline = time.monotonic() + timeout
+        while True:
+            for proc, what in ((self._workers, "workers"), (self._scheduler, "scheduler")):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the {'MPI worker job' if what == 'workers' else what} exited at start "
+                                       f"(exit code {proc.returncode}):\n{self._log_tail(what)}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.n_workers} workers did not start within {timeout}s:\n"
+                                   f"{self._log_tail('workers')}")
+            try:
+                client.wait_for_workers(self.n_workers, timeout=min(left, 0.5))
+                return
+            except WorkerStartTimeoutError:
+                pass
 
     @property
     def scheduler_address(self) -> str:
@@ -201,12 +320,15 @@ class LocalMPICluster:
         return ""
 
     def logs(self) -> str:
+        """The scheduler's and the worker jobs' output (after ``close()``: what it was then, the last MiB each)."""
+        if self._closed_logs is not None:
+            return self._closed_logs
         out = []
-        for name in ("scheduler", "workers", *(f"workers-{i}" for i in range(1, getattr(self, "restarts", 0) + 1))):
-            path = os.path.join(self._dir, f"{name}.log")
-            if os.path.exists(path):
-                with open(path, errors="replace") as f:
-                    out.append(f"--- {name} ---\n{f.read()}")
+        for name in ("scheduler", "workers", *(f"workers-{i}" for i in range(1, self.restarts + 1))):
+            try:
+                out.append(f"--- {name} ---\n{_read_log(os.path.join(self._dir, f'{name}.log'))}")
+            except OSError:
+                pass
         return "\n".join(out)
 
     def worker_pids(self) -> list[int]:
@@ -223,55 +345,57 @@ class LocalMPICluster:
 
     # ------------------------------------------------------------------ closing
     def close(self, timeout: float = 30.0) -> _Done:
-        if self.status in (Status.closed, Status.closing):
+        """Tear the world down, shut the scheduler and workers down, kill what is left and remove the temporary
+        directory. Interrupted (Ctrl-C), it still kills every process; closing again is a no-op."""
+        if self.status == Status.closed:
             return _Done()
         self.status = Status.closing
-        if getattr(self, "_watcher", None) is not None:
-            self._watcher.join(5)
         try:
-            from distributed import Client
-
-            with Client(self.scheduler_address, timeout=10) as client:
-                from ._client import teardown, world
-
-                w = world(client)
-                if w is not None and not w.broken:
-                    try:
-                        teardown(client)
-                    except Exception:
-                        pass
-                client.shutdown()
-        except Exception:
-            pass
-        deadline = time.monotonic() + timeout
-        for proc in self._procs:
-            try:
-                proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                pass
-        self._kill()
-        self.status = Status.closed
-        return _Done()
-
-    def _kill(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            alive = [p for p in self._procs if p.poll() is None]
-            for p in alive:
+            with self._lock:  # the watcher starts no new worker job from here on
+                self._stop.set()
+            if self._watcher is not None and self._watcher is not threading.current_thread():
+                self._watcher.join(5)
+            if self._scheduler.poll() is None:
+                self._shutdown()
+            deadline = time.monotonic() + timeout
+            for proc in self._procs:
                 try:
-                    os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    pass
-            for p in alive:
-                try:
-                    p.wait(5)
+                    proc.wait(max(deadline - time.monotonic(), 0.1))
                 except subprocess.TimeoutExpired:
                     pass
-        for log in self._logs:
-            log.close()
-        if not any(p.poll() is None for p in self._procs):  # every job has ended: its files are leftovers
-            for files in self._shm.values():
-                _orphan_guard.remove_files(files)
-            self._shm.clear()
+        finally:
+            try:
+                _kill(self._procs, self._logs, self._shm)
+                self._closed_logs = self.logs()
+            finally:
+                self._finalizer()
+                self.status = Status.closed
+        return _Done()
+
+    def _shutdown(self) -> None:
+        """Tear an intact world down (collectively) and shut the scheduler and workers down, through a client
+        that is not made the default one and whose IO-loop thread ends with it."""
+        from distributed import Client
+
+        from ._client import teardown, world
+
+        try:
+            client = Client(self.scheduler_address, timeout=10, set_as_default=False)
+        except Exception:
+            return
+        try:
+            try:
+                w = world(client)
+                if w is not None and not w.broken:
+                    teardown(client)
+            except Exception:
+                pass
+            try:
+                client.shutdown()
+            except Exception:
+                pass
+        finally:
+            _stop_client(client)
 
     def __enter__(self) -> LocalMPICluster:
         return self
@@ -279,10 +403,21 @@ class LocalMPICluster:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        if getattr(self, "status", Status.closed) not in (Status.closed,) and getattr(self, "_procs", None):
-            self._kill()
-
     def __repr__(self) -> str:
         addr = getattr(self, "_info", {}).get("address", "?")
         return f"LocalMPICluster({addr!r}, workers={self.n_workers}, status={self.status.name})"
+
+    def _repr_html_(self) -> str:
+        """Jupyter (and ``Client._repr_html_``, which embeds it)."""
+        import html
+
+        rows = [
+            ("Scheduler", getattr(self, "_info", {}).get("address", "?")),
+            ("Workers", f"{self.n_workers} MPI ranks" + (f" ({self.restarts} restarts)" if self.restarts else "")),
+            ("Status", self.status.name),
+            ("PGAS world at start", "not bootstrapped" if self.world is None else
+             f"#{self.world.epoch}, {self.world.npes} PEs, {', '.join(self.world.backends)}"),
+        ]
+        body = "".join(f"<tr><th style='text-align: left;'>{html.escape(k)}</th>"
+                       f"<td style='text-align: left;'>{html.escape(str(v))}</td></tr>" for k, v in rows)
+        return f"<div><strong>{html.escape(type(self).__name__)}</strong><table>{body}</table></div>"

@@ -6,16 +6,19 @@ kernel) leaves no scheduler or worker behind holding memory or a GPU.
 
 MPICH keeps one named shared-memory file per job under ``/dev/shm`` until ``MPI_Finalize``; a rank that exits
 without finalizing (here, or killed) leaves it behind. :func:`mpi_shm_files` finds the ones a process has
-mapped, so that whoever ends the job can remove them.
+mapped, so that whoever ends the job can remove them. The scheduler, orphaned, also removes the cluster's
+temporary directory (``DASK_PGAS_CLUSTER_DIR``).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 
 ENV = "DASK_PGAS_LAUNCHER_PID"
+DIR_ENV = "DASK_PGAS_CLUSTER_DIR"  # the scheduler's: the cluster's temporary directory, removed if orphaned
 
 
 def _alive(pid: int) -> bool:
@@ -53,8 +56,9 @@ def remove_files(paths) -> None:
             pass
 
 
-def watch_launcher(interval: float = 1.0) -> None:
-    """Start a daemon thread that ends this process once the launcher PID (if set) no longer exists."""
+def watch_launcher(interval: float = 1.0, directory: str | None = None) -> None:
+    """Start a daemon thread that ends this process once the launcher PID (if set) no longer exists; then it
+    also removes ``directory`` (the cluster's temporary one, which the launcher would have removed at close)."""
     pid = int(os.environ.get(ENV, "0") or 0)
     if pid <= 0:
         return
@@ -64,10 +68,13 @@ def watch_launcher(interval: float = 1.0) -> None:
             time.sleep(interval)
         # the launcher is gone: nobody will close this process, and MPI will not finalize
         remove_files(mpi_shm_files([os.getpid()]))
+        if directory:
+            time.sleep(2 * interval)  # the worker ranks (watching too) are gone by then
+            shutil.rmtree(directory, ignore_errors=True)
         os._exit(0)
 
     threading.Thread(target=loop, name="dask-pgas-orphan-guard", daemon=True).start()
 
 
 def dask_setup(scheduler) -> None:  # ``--preload`` hook of the scheduler process
-    watch_launcher()
+    watch_launcher(directory=os.environ.get(DIR_ENV) or None)

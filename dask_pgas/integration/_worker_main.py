@@ -3,7 +3,8 @@
 The worker IS the MPI process (``distributed.Worker``, not a Nanny: a Nanny's child is not an MPI process).
 MPI is initialized (``MPI_THREAD_MULTIPLE``) before the worker starts; the PGAS runtime itself comes up later,
 in the explicit ``dask_pgas.bootstrap(client)`` step. A worker left inside a collective whose peer died exits
-without ``MPI_Finalize`` (which would wait for that peer forever).
+without ``MPI_Finalize`` (which would wait for that peer forever), as does one whose world was never torn down
+(the scheduler went away, e.g. its launcher died); either removes the MPI library's shared-memory files first.
 """
 
 from __future__ import annotations
@@ -57,12 +58,17 @@ def main(argv: list[str] | None = None) -> None:
         pass
     sys.stdout.flush()
     sys.stderr.flush()
-    if state["poisoned"]:
+    if state["poisoned"] or _runtime_up():  # no MPI_Finalize (it would wait for a peer or run collectives) ...
+        from ._orphan_guard import mpi_shm_files, remove_files
+
+        remove_files(mpi_shm_files([os.getpid()]))  # ... so the MPI library's /dev/shm files are removed here
         os._exit(0)
+
+
+def _runtime_up() -> bool:
     from dask_pgas import runtime
 
-    if runtime.is_initialized():  # the world was not torn down: do not run collectives at exit
-        os._exit(0)
+    return runtime.is_initialized()  # the world was not torn down: do not run collectives at exit
 
 
 if __name__ == "__main__":

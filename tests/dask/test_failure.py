@@ -112,23 +112,40 @@ def test_teardown_kill_and_close(capfd):
     assert "Traceback" not in out + err
 
 
-def test_killed_launcher_leaves_no_processes():
-    """A driver killed without closing its LocalMPICluster (kill -9, a timeout, a crashed kernel): the
-    scheduler and the worker ranks notice and exit, so nothing keeps holding memory or a GPU."""
+_DRIVER_END = {
+    "killed": "time.sleep(300)\n",  # kill -9, a timeout, a crashed kernel
+    "exits": "",  # the script falls off its end without close()
+}
+
+
+@pytest.mark.parametrize(("bootstrap", "end"), [(False, "killed"), (True, "killed"), (True, "exits")])
+def test_killed_launcher_leaves_no_processes(bootstrap, end):
+    """A driver killed (or ending) without closing its LocalMPICluster: the scheduler and the worker ranks
+    notice and exit, so nothing keeps holding memory or a GPU, and no MPI shared-memory file stays in /dev/shm
+    (ranks of a bootstrapped world exit without MPI_Finalize), nor the cluster's temporary directory."""
     import json
     import subprocess
     import sys
 
     program = (
-        "import json, time, dask_pgas\n"
-        "c = dask_pgas.LocalMPICluster(n_workers=2, bootstrap=False)\n"
+        "import json, sys, time, dask_pgas\n"
+        f"c = dask_pgas.LocalMPICluster(n_workers=2, bootstrap={bootstrap})\n"
         "print(json.dumps(c.worker_pids() + [p.pid for p in c._procs]), flush=True)\n"
-        "time.sleep(300)\n"
+        "print(c._dir, flush=True)\n"
+        "sys.stdin.readline()\n"
+        + _DRIVER_END[end]
     )
-    driver = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
+    driver = subprocess.Popen([sys.executable, "-c", program], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
     try:
         pids = json.loads(driver.stdout.readline())
+        directory = driver.stdout.readline().strip()
         shm = mpi_shm_files(pids)
+        driver.stdin.write("\n")
+        driver.stdin.flush()
+        if end == "killed":
+            driver.kill()
+        driver.wait(60)
     finally:
         driver.kill()
         driver.wait()
@@ -141,7 +158,126 @@ def test_killed_launcher_leaves_no_processes():
     for p in left:  # do not leak them into the rest of the session
         os.kill(p, signal.SIGKILL)
     assert not left, f"processes {left} outlived their launcher"
-    _gone(shm, "the MPI job's shared-memory files")  # the ranks removed them on their way out
+    _gone(shm, "the MPI job's shared-memory files")  # the ranks (or the exiting driver) removed them
+    _gone([directory], "the cluster's temporary directory")  # the scheduler (or the exiting driver) removed it
+
+
+def _processes_end(pids, timeout: float = 10.0) -> list[int]:
+    """Wait for ``pids`` to end; SIGKILL (and return) those left."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    left = [p for p in pids if _alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    return left
+
+
+def _thread_count(expected: int | None = None, timeout: float = 5.0) -> int:
+    """Threads of this process, less the pool of Dask's local scheduler (it grows up to one per core)."""
+    import threading
+
+    def count() -> int:
+        return sum(not t.name.startswith("ThreadPoolExecutor") for t in threading.enumerate())
+
+    deadline = time.monotonic() + timeout
+    while expected is not None and count() > expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return count()
+
+
+def test_closed_cluster_leaves_the_process_as_it_was(caplog):
+    """Closing a cluster leaves no default client, no IO-loop thread and no temporary directory behind: later
+    Dask computations in the process run on the local scheduler. ``Client(cluster)`` renders in Jupyter, and
+    asking an intact world for other backends warns."""
+    import dask
+    from distributed import Client
+
+    scheduler = dask.config.get("scheduler", None)
+    threads = []
+    for i in range(2):
+        with dask_pgas.LocalMPICluster(n_workers=1, backends=[BACKEND], gpus=1 if GPU_WORKERS else 0) as cluster, \
+                Client(cluster) as client:
+            assert da.ones(10, chunks=5).sum().compute() == 10
+            directory = cluster._dir
+            assert os.path.isdir(directory)
+            if i == 0:
+                html = client._repr_html_()
+                assert "LocalMPICluster" in html and cluster.scheduler_address in html
+                other = "mpi" if BACKEND == "nvshmem" else "nvshmem"
+                with caplog.at_level("WARNING", logger="dask_pgas"):
+                    assert dask_pgas.bootstrap(client, backends=[other]).backends == (BACKEND,)
+                assert other in caplog.text and "intact" in caplog.text
+        assert dask.config.get("scheduler", None) == scheduler, "close() left a default client in dask.config"
+        assert da.ones(10, chunks=5).sum().compute() == 10
+        assert not os.path.exists(directory), "the cluster's temporary directory outlived close()"
+        assert "--- workers ---" in cluster.logs()  # the logs as they were at close
+        threads.append(_thread_count(threads[0] if threads else None))
+    assert threads[1] <= threads[0], f"a closed cluster left threads running: {threads}"
+
+
+def test_close_without_a_world_is_quick():
+    """``world(client)`` before bootstrap is None, and closing a cluster without a world shuts the workers down
+    at once (they are not left to the 30 s timeout and SIGTERM)."""
+    from distributed import Client
+
+    cluster = dask_pgas.LocalMPICluster(n_workers=2, bootstrap=False)
+    pids = cluster.worker_pids() + [p.pid for p in cluster._procs]
+    try:
+        with Client(cluster) as client:
+            assert dask_pgas.world(client) is None
+        t0 = time.monotonic()
+        cluster.close()
+        assert time.monotonic() - t0 < 10
+        assert [p.returncode for p in cluster._procs] == [0, 0]  # exited, not killed
+    finally:
+        cluster.close()
+        assert not _processes_end(pids)
+
+
+def test_interrupted_close_still_ends_the_cluster(monkeypatch):
+    """Ctrl-C during ``close()``: the processes are killed all the same and the cluster is closed."""
+    import distributed
+
+    cluster = dask_pgas.LocalMPICluster(n_workers=1, bootstrap=False)
+    pids = cluster.worker_pids() + [p.pid for p in cluster._procs]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    try:
+        monkeypatch.setattr(distributed, "Client", interrupted)  # close() connects a client first
+        with pytest.raises(KeyboardInterrupt):
+            cluster.close()
+        monkeypatch.undo()
+        assert cluster.status.name == "closed"
+        assert not _processes_end(pids, timeout=5.0)
+    finally:
+        monkeypatch.undo()
+        cluster.close()
+        _processes_end(pids, timeout=0)
+
+
+def test_unreferenced_cluster_is_cleaned_up():
+    """A cluster nobody refers to any more (a notebook cell run again) has its processes ended."""
+    import gc
+
+    cluster = dask_pgas.LocalMPICluster(n_workers=1, bootstrap=False)
+    pids = cluster.worker_pids() + [p.pid for p in cluster._procs]
+    directory = cluster._dir
+    del cluster
+    gc.collect()
+    assert not _processes_end(pids), "an unreferenced cluster kept running"
+    assert not os.path.exists(directory)
+
+
+def test_worker_job_failing_at_start_fails_fast():
+    """A worker job that exits at start (here, an argument mpiexec does not know) fails the start at once, with
+    the job's output; it does not wait for the timeout."""
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)worker job exited at start.*no-such-flag"):
+        dask_pgas.LocalMPICluster(n_workers=1, bootstrap=False, mpiexec_args=("--no-such-flag",), timeout=60)
+    assert time.monotonic() - t0 < 15
 
 
 @pytest.mark.skipif(not GPU_WORKERS, reason="needs the NVSHMEM heap of GPU workers")

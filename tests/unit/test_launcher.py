@@ -42,3 +42,38 @@ def test_real_launcher_env_is_a_copy():
     env = {"A": "1"}
     out = _launcher_env(_mpiexec(), env)
     assert out is not env and out["A"] == "1" and env == {"A": "1"}
+
+
+class _FakeClient:
+    """Answers every scheduler call with ``reply`` (what ``Client.sync`` returns)."""
+
+    def __init__(self, reply):
+        from types import SimpleNamespace
+
+        self.reply = reply
+        self.scheduler = SimpleNamespace(pgas_world=None, pgas_bootstrap=None)
+
+    def sync(self, func, **kwargs):
+        return self.reply
+
+    def register_plugin(self, plugin):
+        pass
+
+
+def test_world_before_bootstrap_is_none():
+    """A scheduler without the plugin (never bootstrapped) answers ``pgas_world`` with None."""
+    from dask_pgas.integration import world
+
+    assert world(_FakeClient(None)) is None
+    assert world(_FakeClient({"epoch": 0, "workers": [], "backends": [], "broken": None})) is None
+
+
+def test_bootstrap_warns_when_an_intact_world_has_other_backends(caplog):
+    from dask_pgas.integration import bootstrap
+
+    intact = {"status": "OK", "epoch": 1, "workers": ["tcp://a:1"], "backends": ["mpi"], "broken": None}
+    with caplog.at_level("WARNING", logger="dask_pgas"):
+        assert bootstrap(_FakeClient(intact), backends=["mpi"]).backends == ("mpi",)
+        assert not caplog.records
+        assert bootstrap(_FakeClient(intact), backends="nvshmem").backends == ("mpi",)
+    assert "['nvshmem']" in caplog.text and "['mpi']" in caplog.text
