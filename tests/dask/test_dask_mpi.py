@@ -31,6 +31,7 @@ def test_dask_mpi_initialize_script():
 
 
 def test_dask_mpi_cli_scheduler_file(tmp_path):
+    import dask
     import dask.array as da
     from distributed import Client
 
@@ -48,7 +49,9 @@ def test_dask_mpi_cli_scheduler_file(tmp_path):
         deadline = time.monotonic() + 60
         while not sched.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
-        with Client(scheduler_file=str(sched), timeout=60) as client:
+        # (Client.shutdown() leaves the client's scheduler setting in dask.config: restore it for later tests)
+        with dask.config.set(scheduler=dask.config.get("scheduler", None)), \
+                Client(scheduler_file=str(sched), timeout=60) as client:
             client.wait_for_workers(3, timeout=60)
             world = dask_pgas.bootstrap(client)
             assert world.npes == 3
