@@ -14,6 +14,8 @@ import statistics
 import sys
 import time
 
+from dask.utils import parse_bytes
+
 
 def _gpu_count() -> int:
     try:
@@ -176,27 +178,23 @@ def show_world(args: argparse.Namespace) -> int:
     return 0
 
 
-def _size(text: str) -> int:
-    """argparse type: a positive byte count such as 64MiB."""
-    from dask.utils import parse_bytes
+def _at_least(minimum: int, parse, what: str, unit: str = ""):
+    """An argparse type: ``parse(text)`` (a ValueError is "not {what}"), at least ``minimum``."""
 
-    try:
-        n = parse_bytes(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 64MiB, 1GiB)") from None
-    if n < 8:
-        raise argparse.ArgumentTypeError(f"the size must be at least 8 bytes, got {text!r}")
-    return n
+    def convert(text: str) -> int:
+        try:
+            n = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}{unit}, got {text!r}")
+        return n
+
+    return convert
 
 
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
+_size = _at_least(8, parse_bytes, "a size (e.g. 64MiB, 1GiB)", " bytes")
+_positive = _at_least(1, int, "an integer")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,7 +64,7 @@ def test_timer_raises_for_a_failed_method():
 
 @pytest.mark.parametrize("args, message", [
     (["demo", "--size", "bogus"], "not a size"),
-    (["demo", "--size=-8MiB"], "at least 8 bytes"),
+    (["demo", "--size=-8MiB"], "must be at least 8 bytes"),
     (["demo", "--repeats", "0"], "must be at least 1"),
     (["demo", "--workers", "0"], "must be at least 1"),
     (["demo", "--workers", "-1"], "must be at least 1"),

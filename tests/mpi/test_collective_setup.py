@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from tests.mpirun import agreed_outcomes, check, run_mpi
+from tests.mpirun import run_cases
 
 # cases bad_setup.py must report (more may be added; these are the reviewed defects and parity items)
 REQUIRED = {
@@ -29,9 +29,7 @@ REQUIRED = {
 @pytest.mark.mpi
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_setup_errors_are_collective(nranks):
-    result = run_mpi("bad_setup.py", nranks, timeout=120)  # a hang fails the test (killed) instead of blocking
-    check(result, nranks)
-    outcomes = agreed_outcomes(result, nranks)  # every rank raised the same class with the same message
+    result, outcomes = run_cases("bad_setup.py", nranks, timeout=120)  # hangs fail; ranks agree
     missing = set(REQUIRED) - set(outcomes)
     assert not missing, f"cases not reported: {sorted(missing)}"
     for name, outcome in outcomes.items():
