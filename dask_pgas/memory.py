@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ._arrays import array_info, package_name, package_of, to_numpy_dtype
 from .engines.base import Allocation, Engine
 from .errors import BackendUnavailableError, SymmetricMemoryError, warn_leak
@@ -77,8 +79,8 @@ def _normalize_shape(shape: int | Sequence[int]) -> tuple[int, ...]:
 
 
 def _normalize_axis_order(axis_order: Any, ndim: int) -> tuple[str, tuple[int, ...] | None]:
-    """``("C" | "F", None)``, or ``("C", axes)`` for a permutation: allocate C order with the axes listed
-    slowest first, then transpose by ``axes``.
+    """``("C" | "F", None)``, or ``("C", axes)`` for another permutation: allocate C order over the axes listed
+    slowest first (``axes``), then transpose them back into place.
 
     A sequence follows ``nvmath.distributed.allocate_symmetric_memory``: the axes from the fastest varying
     (contiguous) to the slowest, so ``(1, 0)`` is C order and ``(0, 1)`` Fortran order of a matrix."""
@@ -103,8 +105,7 @@ def _normalize_axis_order(axis_order: Any, ndim: int) -> tuple[str, tuple[int, .
         return "C", None
     if order == tuple(range(ndim)):
         return "F", None
-    slow_first = order[::-1]
-    return "C", tuple(slow_first.index(axis) for axis in range(ndim))
+    return "C", order[::-1]
 
 
 def _default_dtype(pkg: str) -> Any:
@@ -196,10 +197,11 @@ def allocate_symmetric_memory(
         allocation = engine.allocate(max(sizes))
         array, error = None, None
         try:
-            base_shape = dims if axes is None else tuple(dims[a] for a in _slow_first(axes))
+            base_shape = dims if axes is None else tuple(dims[a] for a in axes)
             array = engine.as_array(allocation, base_shape, dtype, pkg, order)
-            if axes is not None:
-                array = array.permute(*axes) if pkg == "torch" else array.transpose(axes)
+            if axes is not None:  # each base axis back to its place: the inverse permutation
+                back = tuple(int(a) for a in np.argsort(axes))
+                array = array.permute(*back) if pkg == "torch" else array.transpose(back)
         except Exception as exc:  # agreed before the collective free: no rank frees alone
             error = f"{type(exc).__name__}: {exc}"
         if bad := control.agree(error):
@@ -208,14 +210,6 @@ def allocate_symmetric_memory(
         _register(engine, allocation, array, desc)
     log.debug("allocated symmetric %s (%d bytes on every rank)", desc, allocation.nbytes)
     return array
-
-
-def _slow_first(axes: tuple[int, ...]) -> tuple[int, ...]:
-    """The axes of the result, slowest varying first, from ``axes`` (result axis i = base axis axes[i])."""
-    inverse = [0] * len(axes)
-    for result_axis, base_axis in enumerate(axes):
-        inverse[base_axis] = result_axis
-    return tuple(inverse)
 
 
 def _register(engine: Engine, allocation: Allocation, array: Any, desc: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import numpy as np
@@ -58,7 +58,7 @@ class ReshapeOptions:
             raise ValueError(f"blocking must be True, False or 'auto', not {self.blocking!r}")
 
 
-_OPTION_FIELDS = ("logger", "blocking")
+_OPTION_FIELDS = tuple(f.name for f in fields(ReshapeOptions))
 
 
 def _options(options: ReshapeOptions | dict | None) -> ReshapeOptions:
@@ -74,12 +74,6 @@ def _options(options: ReshapeOptions | dict | None) -> ReshapeOptions:
         options._validate()  # fields may have been assigned after construction
         return options
     raise TypeError(f"options must be a ReshapeOptions or a dict, not {type(options).__name__}")
-
-
-def _freed_symmetric(array: Any) -> bool:
-    """Whether ``array`` was returned by allocate_symmetric_memory and has been freed since: its memory may
-    already belong to another allocation, so using it would read (or write) someone else's data. Local."""
-    return _was_freed(array)
 
 
 _FREED_OPERAND = (
@@ -202,7 +196,7 @@ class Reshape:
                 raise UnsupportedOperandError(
                     f"operand must be a numpy.ndarray, cupy.ndarray or torch.Tensor, not {type(operand).__name__}"
                 )
-            if _freed_symmetric(operand):
+            if _was_freed(operand):  # its memory may belong to another allocation now
                 raise SymmetricMemoryError(_FREED_OPERAND + ": pass a live array")
             info = array_info(operand)
             engine = engine_for_package(info.package)
@@ -342,7 +336,7 @@ class Reshape:
                 )
             if package_of(operand) != self._package:
                 raise UnsupportedOperandError(f"new operand must be a {self._package} array")
-            if _freed_symmetric(operand):
+            if _was_freed(operand):  # its memory may belong to another allocation now
                 raise SymmetricMemoryError(_FREED_OPERAND + ": pass a live array")
             info = array_info(operand)
             if info.shape != self._spec.input_box.shape or info.dtype != self._spec.dtype:

@@ -317,8 +317,8 @@ class PGASSchedulerPlugin(SchedulerPlugin):
 
     async def _collective(self, run: _Run, epoch: int) -> dict:
         name, seq = run.name, run.seq
-        if self.broken or run.failed.done():  # the world broke between numbering and now: send nothing
-            return {"status": "error", "message": self.broken or f"{name}: {run.failed.result()}"}
+        if run.failed.done():  # the world broke (_break fails every run in flight) since numbering: send nothing
+            return {"status": "error", "message": self.broken}
         timeout = parse_timedelta(dask.config.get("pgas.collective-timeout", "120s"))
         tasks = {
             asyncio.ensure_future(self.scheduler.rpc(w).pgas_start(name=name, seq=seq, epoch=epoch)): w
