@@ -11,6 +11,7 @@ import warnings
 __all__ = [
     "BackendUnavailableError",
     "CollectiveError",
+    "CollectiveMismatchError",
     "DistributionError",
     "NotInitializedError",
     "PGASError",
@@ -51,6 +52,11 @@ class SymmetricMemoryError(PGASError, ValueError):
 
 class CollectiveError(PGASError, RuntimeError):
     """A collective operation failed on one or more ranks (raised on every rank)."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Ranks entered different collective calls (or the same call on different objects); raised on every rank of
+    the mismatch instead of pairing the calls' unrelated exchanges."""
 
 
 class SymmetricMemoryLeakWarning(ResourceWarning):

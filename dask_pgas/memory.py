@@ -171,6 +171,7 @@ def allocate_symmetric_memory(
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     with _lock:
+        control.agree(None, "allocate_symmetric_memory()")  # every rank is in this call, or all raise
         everything = _agree(control, error, (nbytes, flags, engine.name if engine else None))
         sizes = [n for n, _, _ in everything]
         if len({f for _, f, _ in everything}) > 1:
@@ -285,6 +286,7 @@ def free_symmetric_memory(*arrays: Any) -> None:
             records.append(rec)
         if error is None and len({r.seq for r in records}) != len(records):
             error = "the same array is passed twice"
+        control.agree(None, "free_symmetric_memory()")  # every rank is in this call, or all raise
         seqs = _agree(control, error, [r.seq for r in records])
         if len({tuple(s) for s in seqs}) > 1:
             raise SymmetricMemoryError(

@@ -9,6 +9,7 @@ the same checks on the same data, so every rank raises the same exception and no
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 from dataclasses import dataclass, fields
@@ -102,17 +103,21 @@ def _by_rank(values: list[Any]) -> str:
     return ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
 
 
-def _agree(control: Any, error: tuple[type[BaseException], str] | None) -> None:
+def _agree(control: Any, error: tuple[type[BaseException], str] | None, call: str) -> None:
     """Collective: raise the first failing rank's error on every rank, or return on all of them.
 
-    One ``ControlPlane.agree`` (on the MPI engine one flag ``Allreduce``; the messages travel only on failure).
-    Every method that checks preconditions goes through here, so a rank that skipped a call (``plan()`` on one
-    rank only) meets its peers at the next agreement and all raise its self-describing error."""
-    bad = control.agree(None if error is None else f"{error[0].__name__}:{error[1]}")
+    One ``ControlPlane.agree`` naming ``call`` (on the MPI engine one ``Allreduce`` of three integers; the
+    messages travel only on failure). Every collective method opens with it, so a rank that skipped a call or
+    made another (``plan()`` on one rank only) meets its peers at the next agreement and all raise
+    :class:`~dask_pgas.errors.CollectiveMismatchError`, naming each rank's call and its local error if any."""
+    bad = control.agree(None if error is None else f"{error[0].__name__}: {error[1]}", call)
     if bad:
         rank, text = bad[0]
-        name, _, msg = text.partition(":")
+        name, _, msg = text.partition(": ")
         raise _RAISABLE.get(name, errors.CollectiveError)(f"rank {rank}: {msg}")
+
+
+_serials = itertools.count(1)  # Reshape objects are created collectively: every rank numbers them alike
 
 
 class Reshape:
@@ -131,8 +136,11 @@ class Reshape:
     the largest output box) and must be freed with :func:`dask_pgas.free_symmetric_memory`.
 
     :meth:`plan`, :meth:`reset_operand` and :meth:`execute` agree on their preconditions across ranks before any
-    collective step, so a misuse on one rank (``execute()`` before ``plan()``, after ``free()`` or
-    :meth:`release_operand`, with a freed symmetric operand) raises the same exception on every rank. After
+    collective step, so a misuse on one rank (``execute()`` after ``free()`` or :meth:`release_operand`, with a
+    freed symmetric operand) raises the same exception on every rank. Each collective call opens by naming
+    itself and its object (``Reshape#3.execute()``, numbered in creation order, the same on every rank): ranks
+    in different calls (``execute()`` before ``plan()`` on one rank, or on another object) all raise
+    :class:`~dask_pgas.errors.CollectiveMismatchError`. After
     :func:`dask_pgas.finalize` they raise :class:`RuntimeStateError`; :meth:`release_operand` and :meth:`free`
     stay usable.
     """
@@ -154,6 +162,8 @@ class Reshape:
         self._released = False
         control = _control()
         desc, engine, parsed = self._describe(operand, input_box, output_box, options)
+        control.agree(None, "Reshape()")  # every rank is in this call, or all raise
+        self._name = f"Reshape#{next(_serials)}"
         descs = control.allgather(desc)
         _raise_first(descs)
         self._check_global(descs)
@@ -287,15 +297,18 @@ class Reshape:
         return np.asarray(operand, order=self._spec.order)
 
     # -- local state checks ---------------------------------------------------------------------------------
-    def _check_runtime(self) -> None:
-        """Local: the plan's engine must still be the runtime's (``finalize`` is collective, so every rank
-        reaches the same verdict without an exchange; an exchange would use the freed communicator)."""
+    def _runtime_error(self) -> str | None:
+        """Local: why the plan's engine is no longer the runtime's, or None (``finalize`` is collective, so every
+        rank reaches the same verdict without an exchange; an exchange would use the freed communicator)."""
         if not any(e is self._engine for e in _runtime._engines.values()):
-            raise RuntimeStateError("the runtime was finalized; create a new Reshape")
+            return "the runtime was finalized; create a new Reshape"
         if not _runtime.is_initialized():
-            raise RuntimeStateError(
-                "this Reshape belongs to the runtime of a parent process; create a new one after initialize()"
-            )
+            return "this Reshape belongs to the runtime of a parent process; create a new one after initialize()"
+        return None
+
+    def _check_runtime(self) -> None:
+        if (why := self._runtime_error()) is not None:
+            raise RuntimeStateError(why)
 
     def _freed_error(self) -> tuple[type[BaseException], str] | None:
         return (RuntimeStateError, "this Reshape was freed; create a new one") if self._freed else None
@@ -314,7 +327,7 @@ class Reshape:
         self._check_runtime()
         if self._plan is not None:  # free() clears the plan, so a freed object always reaches the agreement
             return
-        _agree(self._engine.control, self._freed_error())
+        _agree(_control(), self._freed_error(), f"{self._name}.plan()")
         self._plan = self._engine.plan_reshape(self._spec)
 
     def reset_operand(self, operand: Any, *, stream: Any = None) -> None:
@@ -353,7 +366,7 @@ class Reshape:
             conformed = self._conform(operand)
         except Exception as exc:  # reported to all ranks, never raised alone
             error = (type(exc), str(exc))
-        _agree(self._engine.control, error)
+        _agree(_control(), error, f"{self._name}.reset_operand()")
         self._source, self._operand, self._tracked = operand, conformed, tracked
         self._released = False
 
@@ -392,7 +405,7 @@ class Reshape:
                 )
             elif self._tracked and not is_symmetric_memory(self._source):
                 error = (SymmetricMemoryError, _FREED_OPERAND + ": give a live one with reset_operand()")
-        _agree(self._engine.control, error)  # the only exchange on the hot path: one flag when all is well
+        _agree(_control(), error, f"{self._name}.execute()")  # the only exchange on the hot path when all is well
         if self._operand is not self._source:
             np.copyto(self._operand, self._source)  # refresh the conforming copy: in-place updates count
         shape, order = self._spec.output_box.shape, self._spec.order
@@ -438,7 +451,12 @@ class Reshape:
             del self._results[: -self._POOL]
 
     def free(self) -> None:
-        """Release the plan and the references to the operand (collective). Idempotent."""
+        """Release the plan and the references to the operand (collective once planned). Idempotent.
+
+        A planned object's first ``free()`` opens with the agreement that every rank is in it (before
+        :func:`dask_pgas.finalize`); on a mismatch it raises and leaves the object as it was."""
+        if not self._freed and self._plan is not None and self._runtime_error() is None:
+            _agree(_control(), None, f"{self._name}.free()")
         self._results = []
         self._source = self._operand = None
         self._tracked = False

@@ -223,6 +223,7 @@ def finalize() -> None:
     with _lock:
         if not _engines:
             return
+        next(iter(_engines.values())).control.agree(None, "finalize()")  # every rank is in this call, or all raise
         try:
             for engine in _engines.values():
                 _free_all(engine)

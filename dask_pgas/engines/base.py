@@ -20,7 +20,7 @@ import numpy as np
 
 from .._arrays import to_numpy_dtype
 from ..distribution import Box
-from ..errors import UnsupportedOperandError
+from ..errors import CollectiveMismatchError, UnsupportedOperandError
 
 __all__ = ["Allocation", "ControlPlane", "Engine", "ReshapePlan", "ReshapeSpec"]
 
@@ -41,16 +41,36 @@ class ControlPlane(ABC):
     def barrier(self) -> None:
         self.allgather(None)
 
-    def agree(self, error: str | None) -> list[tuple[int, str]]:
+    def agree(self, error: str | None, call: str | None = None) -> list[tuple[int, str]]:
         """Collective: the ranks whose local step failed, with their messages, the same list on every rank
-        (empty when all succeeded), so that every rank raises or none does."""
-        return [(r, e) for r, e in enumerate(self.allgather(error)) if e]
+        (empty when all succeeded), so that every rank raises or none does.
+
+        ``call`` names the public collective call this agreement opens (each one's first exchange passes it;
+        the steps inside a call pass None). Ranks that name different calls raise
+        :class:`CollectiveMismatchError` on every rank: the calls' own exchanges would pair up wrongly or hang."""
+        everything = self.allgather((call, error))
+        _check_calls(everything)
+        return [(r, e) for r, (_, e) in enumerate(everything) if e]
 
     def bcast(self, obj: Any, root: int = 0) -> Any:
         return self.allgather(obj if self.rank == root else None)[root]
 
     def free(self) -> None:  # noqa: B027 - optional hook
         """Release communication resources (collective)."""
+
+
+def _check_calls(everything: list[tuple[str | None, str | None]]) -> None:
+    """Raise :class:`CollectiveMismatchError` when the ranks' ``(call, error)`` pairs name different calls."""
+    if len({c for c, _ in everything}) < 2:
+        return
+    by_rank = "; ".join(
+        f"rank {r}: {c or 'a step inside a collective call'}" + (f" (which failed there: {e})" if e else "")
+        for r, (c, e) in enumerate(everything)
+    )
+    raise CollectiveMismatchError(
+        f"ranks are in different collective calls ({by_rank}); every rank must make the same collective calls, "
+        "on the same objects, in the same order"
+    )
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ input) and one for the piece it receives (a box of the local output); ``execute`
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -34,13 +35,17 @@ class MPIControl(ControlPlane):
     def barrier(self) -> None:
         self.comm.Barrier()
 
-    def agree(self, error: str | None) -> list[tuple[int, str]]:
-        # one Allreduce of a flag on the hot path; the messages travel only when some rank failed
+    def agree(self, error: str | None, call: str | None = None) -> list[tuple[int, str]]:
+        # one Allreduce on the hot path: a failure flag and the call's code and its negation (their maxima show
+        # whether every rank named the same call); the messages and names travel only when something differs
         from mpi4py import MPI
 
-        flag = np.array([1 if error else 0], dtype=np.int32)
-        self.comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
-        return super().agree(error) if flag[0] else []
+        code = zlib.crc32(call.encode()) if call else 0
+        flags = np.array([1 if error else 0, code, -code], dtype=np.int64)
+        self.comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
+        if flags[0] or flags[1] != -flags[2]:
+            return super().agree(error, call)
+        return []
 
     def bcast(self, obj: Any, root: int = 0) -> Any:
         return self.comm.bcast(obj, root=root)

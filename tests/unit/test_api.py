@@ -10,6 +10,7 @@ import pytest
 import dask_pgas
 from dask_pgas import errors
 from dask_pgas._arrays import array_info, package_name
+from dask_pgas.engines.base import ControlPlane
 from dask_pgas.reshape import ReshapeOptions
 
 
@@ -22,11 +23,39 @@ def test_public_names():
 
 def test_errors_are_builtin_subclasses_and_pickle():
     for cls, base in [(errors.DistributionError, ValueError), (errors.NotInitializedError, RuntimeError),
-                      (errors.UnsupportedOperandError, TypeError), (errors.SymmetricMemoryError, ValueError)]:
+                      (errors.UnsupportedOperandError, TypeError), (errors.SymmetricMemoryError, ValueError),
+                      (errors.CollectiveMismatchError, errors.CollectiveError)]:
         exc = cls("what to do")
         assert isinstance(exc, base) and isinstance(exc, errors.PGASError)
         again = pickle.loads(pickle.dumps(exc))
         assert type(again) is cls and str(again) == "what to do"
+
+
+class _Canned(ControlPlane):
+    """Rank 0 of a control plane whose other ranks' contributions are given (the allgather path, as NVSHMEM's)."""
+
+    rank, size = 0, 3
+
+    def __init__(self, others):
+        self.others = others
+
+    def allgather(self, obj):
+        return [obj, *self.others]
+
+
+def test_agreement_names_the_call_and_refuses_different_calls():
+    same = _Canned([("Reshape#2.execute()", None), ("Reshape#2.execute()", "RuntimeStateError: freed")])
+    assert same.agree(None, "Reshape#2.execute()") == [(2, "RuntimeStateError: freed")]
+    assert _Canned([(None, None), (None, "x")]).agree(None) == [(2, "x")]  # steps inside a call name none
+    other = _Canned([("Reshape#2.plan()", None), ("allocate_symmetric_memory()", "ValueError: bad shape")])
+    with pytest.raises(errors.CollectiveMismatchError) as info:
+        other.agree(None, "Reshape#2.execute()")
+    assert str(info.value).startswith(
+        "ranks are in different collective calls (rank 0: Reshape#2.execute(); rank 1: Reshape#2.plan(); rank 2: "
+        "allocate_symmetric_memory() (which failed there: ValueError: bad shape))"
+    )
+    with pytest.raises(errors.CollectiveMismatchError, match="rank 1: a step inside a collective call"):
+        _Canned([(None, None), ("finalize()", None)]).agree(None, "finalize()")
 
 
 def test_options():

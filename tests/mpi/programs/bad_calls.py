@@ -98,7 +98,7 @@ def execute_without_plan_on_one_rank():
         r.execute()
 
 
-case("execute without plan() on one rank", execute_without_plan_on_one_rank, "RuntimeStateError")
+case("execute without plan() on one rank", execute_without_plan_on_one_rank, "CollectiveMismatchError")
 
 
 def execute_without_plan():
@@ -111,29 +111,84 @@ case("execute without plan() on every rank", execute_without_plan, "RuntimeState
 
 def execute_after_free(ranks):
     r = planned()
-    if RANK in ranks:
-        r.free()
     try:
+        if RANK in ranks:
+            r.free()  # on one rank: meets the others' execute() (a mismatch) and leaves r as it was
         r.execute()
     finally:
         r.free()
 
 
-case("execute after free() on one rank", lambda: execute_after_free({1}), "RuntimeStateError")
+case("execute after free() on one rank", lambda: execute_after_free({1}), "CollectiveMismatchError")
 case("execute after free() on every rank", lambda: execute_after_free(set(range(SIZE))), "RuntimeStateError")
 
 
 def reset_after_free_on_one_rank():
     r = planned()
-    if RANK == 1:
-        r.free()
     try:
+        if RANK == 1:
+            r.free()
         r.reset_operand(piece(col()))
     finally:
         r.free()
 
 
-case("reset_operand after free() on one rank", reset_after_free_on_one_rank, "RuntimeStateError")
+case("reset_operand after free() on one rank", reset_after_free_on_one_rank, "CollectiveMismatchError")
+
+
+# -- ranks in different collective calls: every rank raises CollectiveMismatchError, and the world stays usable ----
+def allocate_beside_reshape():
+    a = None
+    try:
+        if RANK == 1:
+            a = dask_pgas.allocate_symmetric_memory(col().shape, np)
+        else:
+            reshape(piece(col()), col(), row())
+    finally:
+        release(a)
+
+
+case("allocate_symmetric_memory on one rank, reshape on the others", allocate_beside_reshape,
+     "CollectiveMismatchError")
+
+
+def executes_of_different_objects():
+    r1, r2 = planned(), planned()
+    try:
+        (r2 if RANK == 1 else r1).execute()
+    finally:
+        r1.free()
+        r2.free()
+
+
+case("execute() of different Reshape objects", executes_of_different_objects, "CollectiveMismatchError")
+
+
+def free_beside_execute():
+    a = symmetric(col())
+    try:
+        with planned() as r:
+            if RANK == 0:
+                dask_pgas.free_symmetric_memory(a)
+                a = None
+            else:
+                r.execute()
+    finally:
+        release(a)
+
+
+case("free_symmetric_memory on one rank, execute on the others", free_beside_execute, "CollectiveMismatchError")
+
+
+def finalize_beside_execute():
+    with planned() as r:
+        if RANK == SIZE - 1:
+            dask_pgas.finalize()
+        else:
+            r.execute()
+
+
+case("finalize on one rank, execute on the others", finalize_beside_execute, "CollectiveMismatchError")
 
 
 def plan_after_free_on_one_rank():
