@@ -6,7 +6,8 @@
 #   3: carry [".gpu-stage/part-ac"]                                      BUDGET=560 bash scripts/gpu/final.sh JOB...
 # The parts come from `../shared/tools/stage-cufftmp cu13 .gpu-stage`; .whl holds the wheels of dask,
 # distributed, dask-mpi and their pure-Python dependencies. `upload` installs the wheels and runs the CPU-side
-# tests there; `upload2` brings NVSHMEM up from a unique id at 1, 2 and 4 PEs (no cuFFTMp needed). Any other
+# tests there; `upload2` brings NVSHMEM up from a unique id at 1, 2 and 4 PEs (no cuFFTMp needed); either may be
+# followed by the jobs that need no cuFFTMp (robust, cpubench), so that the upload calls do real work too. Any other
 # call reassembles cuFFTMp once (when not there yet) and runs its JOBs in order:
 #   robust    the core's collective-check programs and random-layout suite under Open MPI (mpi backend)
 #   engine    pytest tests/gpu; gpu_checks at 1, 2 and 4 PEs; the core suite (random layouts against NumPy)
@@ -20,6 +21,7 @@
 #   enginebench  the engine benchmark at 1, 2 and 4 PEs (Reshape.execute against the bare plan and a D2D copy)
 #   bench     the engine benchmark at 1, 2 and 4 PEs; the rechunk benchmark on 1, 2 and 4 workers beside Dask
 #   large     the rechunk benchmark on 1 worker at 32, 48 and 56 GiB
+#   cpubench  the CPU rechunk benchmark (4 CPU workers, MPI engine) S1, S3 and S4 on this host's 16 cores
 #   p2p       Dask p2p on CuPy chunks without dask_pgas, as released and with the candidate fix
 #   heap      what a full NVSHMEM heap does (probe)
 # Logs go to $OUT (one or more per job); PASS/FAIL lines and the key numbers to $OUT/summary.txt. A step that
@@ -153,6 +155,13 @@ job_bench() {
   rechunk_bench 4 1GiB 150 "$OUT/bench-rechunk4.log" --repeats 3 --p2p-cupy-fix
   grep -h "GB/s\|floor\|Error\|worker" "$OUT"/bench-rechunk*.log >>"$S" 2>/dev/null
 }
+job_cpubench() {  # the CPU benchmark (MPI engine, 4 CPU workers, no GPU) on this host's 16 cores: S1, then S3 and S4
+  step "CPU rechunk bench S1, 4 CPU workers" 240 "$OUT/cpubench.log" \
+    python3 benchmarks/bench_rechunk.py --scenarios S1 --repeats 3 --rounds 5
+  step "CPU rechunk bench S3 and S4, 4 CPU workers" 200 "$OUT/cpubench.log" \
+    python3 benchmarks/bench_rechunk.py --scenarios S3,S4 --repeats 3
+  grep -h "^| S\|by round\|^# \|Error" "$OUT/cpubench.log" >>"$S" 2>/dev/null
+}
 job_large() {
   rechunk_bench 1 32GiB,48GiB,56GiB 300 "$OUT/large.log" --tasks-limit 0 --repeats 5
   grep -h "GB/s\|floor" "$OUT/large.log" >>"$S" 2>/dev/null
@@ -173,26 +182,31 @@ job_heap() {
 
 # ---------------------------------------------------------------- main
 cp .gpu-stage/part-* .gpu-stage/SHA256SUMS /tmp/stage/ 2>/dev/null
+NOLIB=  # set by the upload calls: cuFFTMp is not all there yet, so only jobs that need no cuFFTMp may follow them
 case "${1:-}" in
   upload)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     step "cpu planning tests" 90 "$OUT/upload.log" python3 -m pytest -q -p no:cacheprovider \
       tests/gpu/test_gpu_planning_cpu.py tests/unit tests/dask/test_chunks.py
-    cat "$S"; exit 0 ;;
+    shift; NOLIB=1 ;;
   upload2)
     for np_ in 1 2 4; do
       rm -f /tmp/uid.bin
       step "uid bring-up, NVSHMEM only, np=$np_" 60 "$OUT/upload2.log" \
         $MPIRUN -n $np_ python3 tests/gpu/programs/uid_checks.py /tmp/uid.bin --no-reshape
     done
-    cat "$S"; exit 0 ;;
+    shift; NOLIB=1 ;;
   "")
-    echo "usage: final.sh upload | upload2 | JOB... (see the top of this file)" >&2; exit 2 ;;
+    echo "usage: final.sh upload [JOB...] | upload2 [JOB...] | JOB... (see the top of this file)" >&2; exit 2 ;;
 esac
 for job in "$@"; do
   declare -F "job_$job" >/dev/null || { echo "unknown job: $job (see the top of this file)" >&2; exit 2; }
+  if [ -n "$NOLIB" ] && [[ " robust cpubench " != *" $job "* ]]; then
+    echo "$job needs cuFFTMp: run it after the uploads (only robust and cpubench may follow upload/upload2)" >&2; exit 2
+  fi
 done
-if [ ! -e /tmp/site/nvidia/cufftmp/cu13/lib/libcufftMp.so.12 ]; then
+if [ -n "$NOLIB" ] && [ $# -eq 0 ]; then cat "$S"; exit 0; fi
+if [ -z "$NOLIB" ] && [ ! -e /tmp/site/nvidia/cufftmp/cu13/lib/libcufftMp.so.12 ]; then
   (cd /tmp/stage && cat part-* > cufftmp-cu13-lib.tar.xz && sha256sum -c SHA256SUMS | sed 's/^/  /') >>"$S" 2>&1
   mkdir -p /tmp/site/nvidia/cufftmp/cu13 && xz -dc -T0 /tmp/stage/cufftmp-cu13-lib.tar.xz | tar -x -C /tmp/site/nvidia/cufftmp/cu13
   ln -sfn "$(python3 -c 'import nvidia.nvshmem, os; print(list(nvidia.nvshmem.__path__)[0])')" /tmp/site/nvidia/nvshmem
