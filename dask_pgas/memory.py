@@ -24,7 +24,7 @@ import numpy as np
 from ._arrays import array_info, package_name, package_of, to_numpy_dtype
 from .engines.base import Allocation, Engine
 from .errors import BackendUnavailableError, SymmetricMemoryError, warn_leak
-from .runtime import _require, engine_for_package
+from .runtime import _control_plane, engine_for_package
 
 __all__ = ["allocate_symmetric_memory", "free_symmetric_memory", "heap_usage", "is_symmetric_memory"]
 
@@ -46,10 +46,6 @@ _seq = itertools.count()
 _live: dict[int, _Record] = {}  # seq -> record, in allocation order
 _by_id: dict[int, int] = {}  # id(array) -> seq (checked against the weakref)
 _freed: dict[int, weakref.ref] = {}  # id(array) -> weakref, to name double frees
-
-
-def _control():
-    return next(iter(_require().values())).control
 
 
 def _agree(control, error: str | None, payload: Any = None) -> list[Any]:
@@ -149,7 +145,7 @@ def allocate_symmetric_memory(
     The array must be released with :func:`free_symmetric_memory` on every rank.
     """
     log = logger or globals()["logger"]
-    control = _control()  # the same control plane on every rank, whatever package each rank asked for
+    control = _control_plane()  # the same control plane on every rank, whatever package each rank asked for
     error: Any = None
     engine, nbytes, desc, dims, pkg, order, axes = None, 0, "", (), "", "C", None
     flags = (bool(make_symmetric), bool(skip_symmetric_check))
@@ -273,7 +269,7 @@ def free_symmetric_memory(*arrays: Any) -> None:
     not allocated here, an array freed before, or a different set of allocations.
     """
     with _lock:
-        control = _control()
+        control = _control_plane()
         records, error = [], None
         for i, array in enumerate(arrays):
             try:

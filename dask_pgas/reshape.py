@@ -30,8 +30,8 @@ from .errors import (
     UnsupportedOperandError,
 )
 from .geometry.boxes import bounding_box, tiling_error
-from .memory import _allocate_internal, _control, _was_freed, is_symmetric_memory
-from .runtime import engine_for_package
+from .memory import _allocate_internal, _was_freed, is_symmetric_memory
+from .runtime import _control_plane, engine_for_package
 
 __all__ = ["Reshape", "ReshapeOptions", "reshape"]
 
@@ -160,7 +160,7 @@ class Reshape:
         self._results: list[Any] = []
         self._freed = False
         self._released = False
-        control = _control()
+        control = _control_plane()
         desc, engine, parsed = self._describe(operand, input_box, output_box, options)
         control.agree(None, "Reshape()")  # every rank is in this call, or all raise
         self._name = f"Reshape#{next(_serials)}"
@@ -327,7 +327,7 @@ class Reshape:
         self._check_runtime()
         if self._plan is not None:  # free() clears the plan, so a freed object always reaches the agreement
             return
-        _agree(_control(), self._freed_error(), f"{self._name}.plan()")
+        _agree(_control_plane(), self._freed_error(), f"{self._name}.plan()")
         self._plan = self._engine.plan_reshape(self._spec)
 
     def reset_operand(self, operand: Any, *, stream: Any = None) -> None:
@@ -366,7 +366,7 @@ class Reshape:
             conformed = self._conform(operand)
         except Exception as exc:  # reported to all ranks, never raised alone
             error = (type(exc), str(exc))
-        _agree(_control(), error, f"{self._name}.reset_operand()")
+        _agree(_control_plane(), error, f"{self._name}.reset_operand()")
         self._source, self._operand, self._tracked = operand, conformed, tracked
         self._released = False
 
@@ -405,7 +405,7 @@ class Reshape:
                 )
             elif self._tracked and not is_symmetric_memory(self._source):
                 error = (SymmetricMemoryError, _FREED_OPERAND + ": give a live one with reset_operand()")
-        _agree(_control(), error, f"{self._name}.execute()")  # the only exchange on the hot path when all is well
+        _agree(_control_plane(), error, f"{self._name}.execute()")  # the only exchange on the hot path when all is well
         if self._operand is not self._source:
             np.copyto(self._operand, self._source)  # refresh the conforming copy: in-place updates count
         shape, order = self._spec.output_box.shape, self._spec.order
@@ -456,7 +456,7 @@ class Reshape:
         A planned object's first ``free()`` opens with the agreement that every rank is in it (before
         :func:`dask_pgas.finalize`); on a mismatch it raises and leaves the object as it was."""
         if not self._freed and self._plan is not None and self._runtime_error() is None:
-            _agree(_control(), None, f"{self._name}.free()")
+            _agree(_control_plane(), None, f"{self._name}.free()")
         self._results = []
         self._source = self._operand = None
         self._tracked = False

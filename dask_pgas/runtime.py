@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .engines.base import Engine
+from .engines.base import ControlPlane, Engine
 from .errors import BackendUnavailableError, NotInitializedError, RuntimeStateError
 
 __all__ = [
@@ -173,6 +173,8 @@ def initialize(
     """
     global _owner_pid, _communicator
     with _lock:
+        if is_initialized():  # a running world: ranks making another call there meet this one and all raise
+            _control_plane().agree(None, "initialize()")
         comm = communicator if communicator is not None else _default_communicator()
         everywhere = comm.allgather(_local_setup(backends))  # the one exchange: every rank decides alike
         for rank, (cls, message, *_) in enumerate(everywhere):
@@ -223,7 +225,8 @@ def finalize() -> None:
     with _lock:
         if not _engines:
             return
-        next(iter(_engines.values())).control.agree(None, "finalize()")  # every rank is in this call, or all raise
+        if is_initialized():  # every rank is in this call, or all raise
+            _control_plane().agree(None, "finalize()")
         try:
             for engine in _engines.values():
                 _free_all(engine)
@@ -265,6 +268,11 @@ def get_context() -> DistributedContext | None:
             nranks=first.nranks,
             nvshmem_available=nvshmem is not None,
         )
+
+
+def _control_plane() -> ControlPlane:
+    """The control plane on which every public collective call opens (the first engine's)."""
+    return next(iter(_require().values())).control
 
 
 def _require() -> dict[str, Engine]:

@@ -21,6 +21,7 @@ REQUIRED = {
     "invalid package object on one rank": "SymmetricMemoryError",  # D3
     "make_symmetric on one rank only": "SymmetricMemoryError",  # D4
     "get_context before, during and after initialize": "none",  # P5
+    "initialize again on one rank, reshape on the others": "CollectiveMismatchError",
     "skip_symmetric_check with different sizes pads": "none",  # P7
     "axis_order as a permutation": "none",  # P7
 }

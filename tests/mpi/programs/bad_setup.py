@@ -17,6 +17,7 @@ from _common import COMM, RANK, SIZE, outcome_of, report_case, report_ok
 
 import dask_pgas
 from dask_pgas import runtime
+from dask_pgas.distribution import Box
 
 os.environ.pop("DASK_PGAS_BACKEND", None)  # the default-backend case must see the built-in default
 assert SIZE >= 2, "bad_setup needs at least 2 ranks"
@@ -73,6 +74,23 @@ def twice():
 
 
 case("initialize twice", twice, "RuntimeStateError")
+
+
+def again_beside_reshape():
+    """initialize() again on one rank while the others reshape: without the opening agreement the first waited
+    on the user's communicator and the others on the runtime's, for ever."""
+    dask_pgas.initialize(None, COMM, backends=["mpi"])
+    try:
+        if RANK == LAST:
+            dask_pgas.initialize(None, COMM, backends=["mpi"])
+        else:
+            box = Box((RANK,), (RANK + 1,))
+            dask_pgas.reshape.reshape(np.zeros(1), box, box)
+    finally:
+        dask_pgas.finalize()
+
+
+case("initialize again on one rank, reshape on the others", again_beside_reshape, "CollectiveMismatchError")
 
 
 # -- get_context ---------------------------------------------------------------------------------------------------
