@@ -102,7 +102,8 @@ class NVSHMEM:
     # -- bootstrap -------------------------------------------------------------------------------------------
     def version(self) -> tuple[int, int, int]:
         a, b, c = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-        self.lib.nvshmemx_vendor_get_version_info(ctypes.byref(a), ctypes.byref(b), ctypes.byref(c))
+        with self.lock:
+            self.lib.nvshmemx_vendor_get_version_info(ctypes.byref(a), ctypes.byref(b), ctypes.byref(c))
         return a.value, b.value, c.value
 
     def get_uniqueid(self) -> bytes:
@@ -139,10 +140,12 @@ class NVSHMEM:
             self.lib.nvshmemx_hostlib_finalize()
 
     def my_pe(self) -> int:
-        return self.lib.nvshmem_my_pe()
+        with self.lock:
+            return self.lib.nvshmem_my_pe()
 
     def n_pes(self) -> int:
-        return self.lib.nvshmem_n_pes()
+        with self.lock:
+            return self.lib.nvshmem_n_pes()
 
     # -- memory ----------------------------------------------------------------------------------------------
     def malloc(self, nbytes: int) -> int:
@@ -160,7 +163,8 @@ class NVSHMEM:
             self.lib.nvshmem_free(ctypes.c_void_p(ptr))
 
     def ptr(self, ptr: int, pe: int) -> int:
-        return self.lib.nvshmem_ptr(ctypes.c_void_p(ptr), pe) or 0
+        with self.lock:  # reads the heap's mappings, which a concurrent nvshmem_malloc may be growing
+            return self.lib.nvshmem_ptr(ctypes.c_void_p(ptr), pe) or 0
 
     # -- synchronisation and host RMA ------------------------------------------------------------------------
     def barrier_all(self) -> None:
@@ -168,7 +172,8 @@ class NVSHMEM:
             self.lib.nvshmem_barrier_all()
 
     def sync_all_on_stream(self, stream: int) -> None:
-        self.lib.nvshmemx_sync_all_on_stream(ctypes.c_void_p(stream or None))
+        with self.lock:
+            self.lib.nvshmemx_sync_all_on_stream(ctypes.c_void_p(stream or None))
 
     def getmem(self, dst: int, src: int, nbytes: int, pe: int) -> None:
         with self.lock:

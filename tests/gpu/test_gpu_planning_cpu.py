@@ -162,6 +162,44 @@ def test_nvshmem_struct_layouts():
     assert uid_args + nvshmem._UidArgs.nranks.offset == 44
 
 
+def test_cufftmp_result_names_follow_cufft_h():
+    """cufftResult values as cufft.h numbers them (13 NO_WORKSPACE, 14 NOT_IMPLEMENTED; 17-20 are CUDA 13's)."""
+    from dask_pgas.bindings.cufftmp import CuFFTMpError
+
+    for code, name in ((4, "INVALID_VALUE"), (13, "NO_WORKSPACE"), (14, "NOT_IMPLEMENTED"), (16, "NOT_SUPPORTED"),
+                       (20, "NVSHMEM_FAILURE")):
+        assert str(CuFFTMpError("cufftMpExecReshapeAsync", code)).endswith(f"CUFFT_{name} ({code})")
+
+
+def test_nvshmem_host_calls_hold_the_lock():
+    """The host API is serialized (one thread at a time): every bound call runs under the binding's lock."""
+    import threading
+    import types
+
+    from dask_pgas.bindings import nvshmem
+
+    nv = nvshmem.NVSHMEM.__new__(nvshmem.NVSHMEM)
+    nv.lock = threading.RLock()
+    held = {}
+
+    def bound(name, result):
+        def call(*args):
+            held[name] = nv.lock._is_owned()
+            return result
+
+        return call
+
+    names = {"nvshmem_my_pe": 0, "nvshmem_n_pes": 1, "nvshmem_malloc": 4096, "nvshmem_free": None,
+             "nvshmem_ptr": 4096, "nvshmem_barrier_all": None, "nvshmemx_sync_all_on_stream": None,
+             "nvshmem_getmem": None, "nvshmem_quiet": None, "nvshmemx_vendor_get_version_info": None,
+             "nvshmemx_hostlib_finalize": None, "nvshmemx_get_uniqueid": 0}
+    nv.lib = types.SimpleNamespace(**{name: bound(name, result) for name, result in names.items()})
+    nv.my_pe(), nv.n_pes(), nv.version(), nv.get_uniqueid()
+    nv.free(nv.malloc(8))
+    nv.ptr(4096, 0), nv.barrier_all(), nv.sync_all_on_stream(0), nv.getmem(8192, 4096, 8, 0), nv.finalize()
+    assert held == dict.fromkeys(names, True)
+
+
 def test_missing_libraries_messages(monkeypatch, tmp_path):
     from dask_pgas import bindings
     from dask_pgas.bindings import cufftmp, nvshmem
