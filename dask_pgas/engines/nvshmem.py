@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..distribution import Box
-from ..errors import BackendUnavailableError, CollectiveError, UnsupportedOperandError
+from ..errors import BackendUnavailableError, CollectiveError, RuntimeStateError, UnsupportedOperandError
 from .base import Allocation, ControlPlane, Engine, ReshapePlan, ReshapeSpec
 
 __all__ = [
@@ -335,8 +335,14 @@ class NVSHMEMControl(ControlPlane):
             if need > self.capacity:
                 self.nv.barrier_all()  # every PE has read the lengths
                 self.nv.free(self.buf)
-                self.capacity = 1 << (need - 1).bit_length()
-                self.buf = self.nv.malloc(self.capacity)
+                self.buf = 0  # never freed twice (finalize frees self.buf)
+                capacity = 1 << (need - 1).bit_length()
+                try:
+                    self.buf = self.nv.malloc(capacity)
+                except MemoryError:  # on every PE alike (symmetric heap): keep a working control plane
+                    self.buf = self.nv.malloc(self.capacity)
+                    raise
+                self.capacity = capacity
                 self._write(header + data)
                 self.nv.barrier_all()
             out = [pickle.loads(self._read(pe, 8 + n)[8:]) for pe, n in enumerate(lengths)]
@@ -419,13 +425,41 @@ class NVSHMEMEngine(Engine):
         from ..bindings import nvshmem
         from ..bindings.cuda import driver
 
-        drv = driver()
-        drv.make_current(device)
-        _use_device_in_packages(device)
-        nv = nvshmem.load()
-        status = nv.init_with_uniqueid(uid, rank, nranks)
-        if status < 2:
-            raise BackendUnavailableError(f"NVSHMEM did not initialize (status {status}); set NVSHMEM_DEBUG=INFO")
+        def prepare() -> tuple[Any, Any]:
+            drv = driver()
+            drv.make_current(device)
+            _use_device_in_packages(device)
+            return drv, nvshmem.load()
+
+        def not_initialized(status: int) -> str:
+            return f"NVSHMEM did not initialize (status {status}); set NVSHMEM_DEBUG=INFO"
+
+        if control is None:  # no channel to the other PEs before NVSHMEM is up: a local failure raises alone
+            drv, nv = prepare()
+            status = nv.init_with_uniqueid(uid, rank, nranks)
+            if status < 2:
+                raise BackendUnavailableError(not_initialized(status))
+        else:
+            # a PE that failed alone would leave the others inside NVSHMEM's collective init (or, after it, inside
+            # the engine's first exchange): agree on the local steps before it, and on its outcome after it
+            error = None
+            try:
+                drv, nv = prepare()
+            except Exception as exc:  # reported to every PE, never raised alone
+                error = f"{type(exc).__name__}: {exc}"
+            _raise_unavailable(control.agree(error))
+            returned = False
+            try:
+                status = nv.init_with_uniqueid(uid, rank, nranks)
+                returned = True
+                if status < 2:
+                    error = not_initialized(status)
+            except Exception as exc:  # reported to every PE, never raised alone
+                error = f"{type(exc).__name__}: {exc}"
+            if bad := control.agree(error):
+                if returned:  # the PEs where NVSHMEM came up, even partly, take it down together
+                    nv.finalize()
+                _raise_unavailable(bad)
         try:
             return cls(nv, drv, device, control, status, expected=(rank, nranks))
         except BaseException:
@@ -442,10 +476,10 @@ class NVSHMEMEngine(Engine):
         comm = communicator
         hosts = comm.allgather(socket.gethostname())
         apply_env_defaults(single_node=len(set(hosts)) == 1)
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED)  # collective: on every rank, whether or not it needs it
+        local_rank = local.Get_rank()
+        local.Free()
         if device_id is None:
-            local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-            local_rank = local.Get_rank()
-            local.Free()
             device_id = local_rank % driver().device_count()
         control = MPIControl(comm)
         error = None
@@ -813,21 +847,25 @@ class NVSHMEMReshapePlan(ReshapePlan):
 
         my_out = bounds(spec.output_box)
         eng.nv.sync_all_on_stream(stream)
-        with _StreamContext(stream, eng.device):
-            out_view = None
-            for pe, in_box in enumerate(spec.input_boxes):
-                in_box = bounds(in_box)
-                if in_box.is_empty or my_out.is_empty:
-                    continue
-                piece = in_box.intersection(my_out)
-                if piece is None:
-                    continue
-                if out_view is None:
-                    out_view = _word_view(dst, my_out.shape, item, eng.device)
-                base = src if pe == spec.rank else eng.nv.ptr(src, pe)
-                in_view = _word_view(base, in_box.shape, item, eng.device)
-                _copy(out_view[piece.relative_to(my_out)], in_view[piece.relative_to(in_box)])
-        eng.nv.sync_all_on_stream(stream)  # peers may reuse their input only once every pull is done
+        try:
+            with _StreamContext(stream, eng.device):
+                out_view = None
+                for pe, in_box in enumerate(spec.input_boxes):
+                    in_box = bounds(in_box)
+                    if in_box.is_empty or my_out.is_empty:
+                        continue
+                    piece = in_box.intersection(my_out)
+                    if piece is None:
+                        continue
+                    if out_view is None:
+                        out_view = _word_view(dst, my_out.shape, item, eng.device)
+                    base = src if pe == spec.rank else eng.nv.ptr(src, pe)
+                    in_view = _word_view(base, in_box.shape, item, eng.device)
+                    _copy(out_view[piece.relative_to(my_out)], in_view[piece.relative_to(in_box)])
+        finally:
+            # peers may reuse their input only once every pull is done; a PE whose copies failed still takes
+            # part (the others' streams wait for it here), then raises
+            eng.nv.sync_all_on_stream(stream)
 
     def synchronize(self, stream: Any = None) -> None:
         handle = self._last_stream if stream is None else stream_handle(stream)
@@ -842,9 +880,13 @@ class NVSHMEMReshapePlan(ReshapePlan):
             if self in eng._plans:
                 eng._plans.remove(self)
         eng.drv.ctx_synchronize()
+        error, destroyed = None, bool(self._handle)  # a handle on every PE or on none (see __init__)
         if self._handle:
-            self._cf.destroy(self._handle)
-            self._handle = 0
+            handle, self._handle = self._handle, 0
+            try:
+                self._cf.destroy(handle)
+            except Exception as exc:  # the buffers below are freed on every PE all the same (collective frees)
+                error = f"{type(exc).__name__}: {exc}"
         if self._workspace is not None:
             eng.free(self._workspace)
             self._workspace = None
@@ -852,6 +894,14 @@ class NVSHMEMReshapePlan(ReshapePlan):
             for a in self._stage:
                 eng.free(a)
             self._stage = None
+        if destroyed and (bad := eng.control.agree(error)):
+            raise CollectiveError(f"destroying the cuFFTMp reshape failed on rank {bad[0][0]}: {bad[0][1]}")
+
+
+def _raise_unavailable(bad: list[tuple[int, str]]) -> None:
+    """Raise, on every PE alike, the first failure of an agreed bring-up step (``control.agree``'s list)."""
+    if bad:
+        raise BackendUnavailableError(f"the nvshmem engine cannot start on rank {bad[0][0]}: {bad[0][1]}")
 
 
 def _trace(rank: int, msg: str) -> None:
@@ -904,6 +954,10 @@ def initialize_from_uniqueid(
     from .. import runtime
     from ..bindings.cuda import driver
 
+    if NVSHMEMEngine.name in runtime.initialized_backends():  # before NVSHMEM is touched: nothing to undo
+        raise RuntimeStateError(
+            f"backend {NVSHMEMEngine.name!r} is already initialized; call finalize() first"
+        )
     apply_env_defaults(single_node)
     if device_id is None:
         device_id = rank % driver().device_count()

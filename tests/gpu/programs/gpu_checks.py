@@ -256,6 +256,38 @@ def main():
     if SIZE > 1:
         check("local-failures-agreed", local_failures_agreed)
 
+    def peer_copy_failure_agreed():
+        # peer mode, host operands: making a device view fails on the last rank between the two on-stream syncs;
+        # that rank must still enqueue the closing sync (else the others' streams wait for it forever), then every
+        # rank raises the same CollectiveError; the next peer reshape is healthy
+        from dask_pgas.engines import nvshmem as nvshmem_engine
+
+        real_view, agreed = nvshmem_engine._word_view, eng.settings
+
+        def failing_view(*args, **kwargs):
+            raise RuntimeError("injected failure")
+
+        eng.settings = dataclasses.replace(agreed, force_peer=True)
+        try:
+            if RANK == SIZE - 1:
+                nvshmem_engine._word_view = failing_view
+            try:
+                run_reshape(shape, "float64", *c2r, package="numpy", expect_mode="peer")
+            except errors.CollectiveError as exc:
+                assert "injected failure" in str(exc), exc
+            else:
+                raise AssertionError("a view failing on one rank did not raise")
+            finally:
+                nvshmem_engine._word_view = real_view
+            cp.cuda.Device().synchronize()  # would hang had the failing rank skipped the closing sync
+            run_reshape(shape, "float64", *c2r, package="numpy", expect_mode="peer")
+            run_reshape(shape, "float64", *c2r, package="cupy", expect_mode="peer")
+        finally:
+            eng.settings = agreed
+
+    if SIZE > 1 and eng.peers_mapped:
+        check("peer-copy-failure-agreed", peer_copy_failure_agreed)
+
     def bad_inputs():
         # a CuPy array not on the heap, on one rank only: every rank raises
         a = sym(np.zeros((4, 4)))
@@ -300,6 +332,15 @@ def main():
         dask_pgas.initialize(None, COMM, backends=["nvshmem"])
         run_reshape(shape, "float64", *c2r)
         dask_pgas.finalize()
+        # last (rank 0 made a unique id that no init uses): a device that does not exist on the last rank only
+        # (the others pick theirs); every rank raises before NVSHMEM's collective init, nobody is left inside it
+        try:
+            dask_pgas.initialize(4096 if RANK == SIZE - 1 else None, COMM, backends=["nvshmem"])
+        except errors.BackendUnavailableError as exc:
+            assert f"rank {SIZE - 1}" in str(exc), exc
+        else:
+            raise AssertionError("a device that does not exist on one rank did not raise")
+        assert not dask_pgas.is_initialized()
 
     if os.environ.get("GPU_CHECK_REINIT", "1") == "1":
         check("finalize-then-initialize-again", reinit)

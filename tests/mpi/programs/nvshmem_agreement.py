@@ -41,10 +41,12 @@ class FakeNV:
     def get_uniqueid(self):
         return bytes(128)
 
+    status = 2  # what nvshmemx_init_status() reports on this rank after init
+
     def init_with_uniqueid(self, uid, rank, nranks):
         self.calls["init"] += 1
         LIB.Barrier()
-        return 2
+        return self.status
 
     def finalize(self):
         self.calls["finalize"] += 1
@@ -59,11 +61,12 @@ class FakeNV:
         return SIZE
 
     full = False  # the symmetric heap has no room left (on every PE alike, as NVSHMEM's heaps are symmetric)
+    max_block = None  # bytes: larger blocks do not fit (on every PE alike)
 
     def malloc(self, nbytes):
         self.calls["malloc"] += 1
         LIB.Barrier()
-        if self.full:
+        if self.full or (self.max_block is not None and nbytes > self.max_block):
             raise MemoryError(f"nvshmem_malloc({nbytes}) failed: the symmetric heap is full (fake)")
         buf = np.zeros(max(nbytes, 1), np.uint8)
         self.live[buf.ctypes.data] = buf
@@ -84,7 +87,7 @@ class FakeNV:
 
 
 class FakeDriver:
-    fail = None  # "h2d" or "d2h": this rank's copies in that direction raise
+    fail = None  # "h2d" or "d2h": this rank's copies in that direction raise; "device": make_current raises
     free = 1 << 50  # bytes free on this rank's GPU
     bus = f"0000:{RANK + 1:02x}:00.0"  # this rank's GPU (one per rank unless a case shares one)
 
@@ -95,7 +98,8 @@ class FakeDriver:
         return self.bus
 
     def make_current(self, device):
-        pass
+        if self.fail == "device":
+            raise RuntimeError(f"cuCtxSetCurrent({device}) failed (fake)")
 
     def device_count(self):
         return 1
@@ -116,7 +120,7 @@ class FakeDriver:
 
 
 class FakeCuFFTMp:
-    fail = None  # "create", "make" or "execute": this rank's call raises (make/execute after the barrier)
+    fail = None  # "create", "make", "execute" or "destroy": this rank's call raises (collectives: after the barrier)
     workspace = 0  # bytes of workspace this rank's plans ask for
     last_workspace = None  # the workspace pointer of the last execute
 
@@ -146,6 +150,8 @@ class FakeCuFFTMp:
     def destroy(self, handle):
         self.calls["destroy"] += 1
         LIB.Barrier()
+        if self.fail == "destroy":
+            raise RuntimeError("cufftMpDestroyReshape failed (fake)")
 
 
 def _no_cufftmp():
@@ -221,6 +227,30 @@ def bring_up_as_wrong_pe():
 
 
 case("bring-up: NVSHMEM numbers one rank wrongly", bring_up_as_wrong_pe)
+
+
+def bring_up_failing_on_last(obj, attr, value):
+    """Bring-up with ``obj.attr = value`` on the last rank: a step before NVSHMEM's collective init, or init's
+    outcome, fails there only; every rank must raise (none left inside NVSHMEM's init or the first exchange)."""
+    if RANK == LAST:
+        setattr(obj, attr, value)
+    try:
+        bring_up_with()
+    finally:
+        obj.__dict__.pop(attr, None)
+
+
+case("bring-up: making the device current fails on one rank", lambda: bring_up_failing_on_last(DRV, "fail", "device"))
+case("bring-up: NVSHMEM does not initialize on one rank", lambda: bring_up_failing_on_last(NV, "status", 1))
+
+
+def bring_up_with_device_on_last():
+    """``device_id`` given on the last rank only (the others pick theirs): no rank skips a collective step."""
+    dask_pgas.initialize(0 if RANK == LAST else None, COMM, backends=["nvshmem"])
+    dask_pgas.finalize()
+
+
+case("bring-up: a device given on one rank only", bring_up_with_device_on_last)
 case("settings: the same values spelled differently",
      lambda: bring_up_with(NVSHMEM_SYMMETRIC_SIZE="1g" if RANK else "1073741824", DASK_PGAS_NVSHMEM_RESHAPE="auto"))
 
@@ -290,6 +320,50 @@ case("plan: cufftMpCreateReshape fails on one rank", lambda: failing(CF, "create
 case("plan: healthy after the failed create", healthy)
 case("plan: cufftMpMakeReshape fails on one rank", lambda: failing(CF, "make"))
 case("plan: healthy after the failed make", healthy)
+case("plan: cufftMpDestroyReshape fails on one rank", lambda: failing(CF, "destroy"))
+case("plan: no leak after the failed destroy", healthy)
+
+
+# -- peer copies (the fallback of layouts cuFFTMp cannot take): NumPy views of the fake heap stand in for CuPy's ---
+@contextlib.contextmanager
+def peer_copies_on_host(fail=False):
+    """Plans in peer mode whose device views are NumPy views of the fake heap (which maps every peer's heap onto
+    the local one, so the values are not checked here); ``fail``: making a view raises on the last rank."""
+    import math
+
+    import dask_pgas.engines.nvshmem as nvshmem_engine
+
+    saved = nvshmem_engine._word_view, nvshmem_engine._StreamContext, nvshmem_engine._copy, ENGINE.settings
+
+    def word_view(ptr, shape, itemsize, device, owner=None):
+        if fail and RANK == LAST:
+            raise RuntimeError("cannot view the peer's memory (fake)")
+        word = next(w for w in (8, 4, 2, 1) if itemsize % w == 0)
+        full = (*shape, itemsize // word)
+        raw = (ctypes.c_char * (math.prod(full) * word)).from_address(ptr)
+        return np.frombuffer(raw, dtype=f"<i{word}").reshape(full)
+
+    nvshmem_engine._word_view = word_view
+    nvshmem_engine._StreamContext = lambda handle, device: contextlib.nullcontext()
+    nvshmem_engine._copy = np.copyto
+    ENGINE.settings = dataclasses.replace(saved[3], force_peer=True)
+    try:
+        yield
+    finally:
+        nvshmem_engine._word_view, nvshmem_engine._StreamContext, nvshmem_engine._copy, ENGINE.settings = saved
+
+
+def peer_reshape(fail=False):
+    with peer_copies_on_host(fail):
+        with dask_pgas.Reshape(np.zeros(col().shape), col(), row()) as r:
+            r.plan()
+            assert r._plan.mode == "peer", r._plan.mode
+            assert r.execute().shape == row().shape
+    assert ENGINE.heap_info()["heap_allocations"] == 0, ENGINE.heap_info()
+
+
+case("peer: viewing memory fails on one rank", lambda: peer_reshape(fail=True))
+case("peer: healthy after the failed copy", peer_reshape)
 
 
 def with_workspace(limit=None):
@@ -348,6 +422,41 @@ def view_fails_on_one_rank():
 
 case("view: fails on one rank after the dtype check", view_fails_on_one_rank)
 case("view: no leak after the failed view", no_leak)
+
+
+# -- bring-up from a unique id while the backend is up: refused before NVSHMEM is touched -------------------------
+def uniqueid_while_initialized():
+    from dask_pgas.engines.nvshmem import initialize_from_uniqueid
+
+    calls, live = NV.calls.copy(), set(NV.live)
+    try:
+        initialize_from_uniqueid(bytes(128), RANK, SIZE, 0)
+    finally:
+        assert NV.calls["init"] - calls["init"] == NV.calls["finalize"] - calls["finalize"], "NVSHMEM left initialized"
+        assert set(NV.live) == live, "symmetric memory left allocated"
+
+
+case("uniqueid: bring-up while the backend is initialized", uniqueid_while_initialized)
+
+
+# -- the NVSHMEM control plane (bring-up without MPI): a payload that cannot grow its buffer -----------------------
+def control_cannot_grow():
+    """The control plane's scratch buffer must grow for a large payload but the heap has no room (on every PE):
+    every PE raises MemoryError, and the control plane keeps a live buffer (no dangling pointer freed twice)."""
+    from dask_pgas.engines.nvshmem import NVSHMEMControl
+
+    ctl = NVSHMEMControl(NV, DRV, capacity=1024)
+    NV.max_block = 4096
+    try:
+        ctl.allgather(bytes(8192))
+    finally:
+        NV.max_block = None
+        assert ctl.buf in NV.live, "the control plane's buffer is not a live block"
+        assert len(ctl.allgather(RANK)) == SIZE
+        ctl.free()
+
+
+case("control: the scratch buffer cannot grow", control_cannot_grow)
 
 
 # -- the heap grows only where every GPU has the memory for it ---------------------------------------------------
