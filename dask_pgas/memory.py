@@ -255,6 +255,22 @@ def _lookup(array: Any) -> tuple[_Record | None, str | None]:
     return None, "the array was not allocated by dask_pgas.allocate_symmetric_memory"
 
 
+def _heap_position(array: Any) -> tuple[int, int] | None:
+    """Where ``array``'s data starts in symmetric memory: (allocation number, byte offset in it), numbers that
+    are the same on every rank for the same place (allocations are collective); None when it is in no live
+    allocation. Local."""
+    try:
+        ptr = array_info(array).ptr
+    except Exception:
+        return None
+    with _lock:
+        for rec in _live.values():
+            lo = rec.allocation.ptr
+            if lo <= ptr < lo + max(rec.allocation.nbytes, 1):
+                return rec.seq, ptr - lo
+    return None
+
+
 def is_symmetric_memory(array: Any) -> bool:
     """Whether ``array`` is (a view into) memory from :func:`allocate_symmetric_memory`; local, not collective."""
     rec, err = _lookup(array)

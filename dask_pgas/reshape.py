@@ -30,7 +30,7 @@ from .errors import (
     UnsupportedOperandError,
 )
 from .geometry.boxes import bounding_box, tiling_error
-from .memory import _allocate_internal, _was_freed, is_symmetric_memory
+from .memory import _allocate_internal, _heap_position, _was_freed, is_symmetric_memory
 from .runtime import _control_plane, engine_for_package
 
 __all__ = ["Reshape", "ReshapeOptions", "reshape"]
@@ -103,14 +103,16 @@ def _by_rank(values: list[Any]) -> str:
     return ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
 
 
-def _agree(control: Any, error: tuple[type[BaseException], str] | None, call: str) -> None:
+def _agree(
+    control: Any, error: tuple[type[BaseException], str] | None, call: str, same: tuple[str, Any] | None = None
+) -> None:
     """Collective: raise the first failing rank's error on every rank, or return on all of them.
 
     One ``ControlPlane.agree`` naming ``call`` (on the MPI engine one ``Allreduce`` of three integers; the
     messages travel only on failure). Every collective method opens with it, so a rank that skipped a call or
     made another (``plan()`` on one rank only) meets its peers at the next agreement and all raise
     :class:`~dask_pgas.errors.CollectiveMismatchError`, naming each rank's call and its local error if any."""
-    bad = control.agree(None if error is None else f"{error[0].__name__}: {error[1]}", call)
+    bad = control.agree(None if error is None else f"{error[0].__name__}: {error[1]}", call, same)
     if bad:
         rank, text = bad[0]
         name, _, msg = text.partition(": ")
@@ -118,6 +120,21 @@ def _agree(control: Any, error: tuple[type[BaseException], str] | None, call: st
 
 
 _serials = itertools.count(1)  # Reshape objects are created collectively: every rank numbers them alike
+
+
+def _check_positions(positions: list[tuple[int, int] | None]) -> None:
+    """GPU engines address a peer's operand at this rank's symmetric address: every rank's symmetric operand
+    must start at the same place of the same allocation (not, say, different slices of one array)."""
+    if len(set(positions)) > 1:
+        where = "; ".join(
+            f"rank {r}: " + (f"allocation #{p[0]} + {p[1]} bytes" if p else "not in a live allocation")
+            for r, p in enumerate(positions)
+        )
+        raise SymmetricMemoryError(
+            f"the symmetric operands start at different places of the symmetric heap ({where}); the GPU reshape "
+            "finds each peer's operand at this rank's address: pass the same allocation (at the same offset) on "
+            "every rank"
+        )
 
 
 class Reshape:
@@ -215,6 +232,7 @@ class Reshape:
                 c=info.c_contiguous, f=info.f_contiguous,
                 symmetric=engine.on_heap(operand) or is_symmetric_memory(operand),
             )
+            desc["position"] = _heap_position(operand) if desc["symmetric"] else None
             if info.dtype.hasobject:
                 raise UnsupportedOperandError("object arrays cannot be reshaped across processes")
             if ibox.ndim != obox.ndim:
@@ -258,6 +276,8 @@ class Reshape:
                 f"{[r for r, s in enumerate(sym) if s]} but not on ranks {[r for r, s in enumerate(sym) if not s]}; "
                 "pass symmetric memory on every rank or on none"
             )
+        if all(sym) and descs[0]["package"] != "numpy":
+            _check_positions([d["position"] for d in descs])
         ins = [Box(*d["in"]) for d in descs]
         outs = [Box(*d["out"]) for d in descs]
         for boxes, what in ((ins, "input boxes"), (outs, "output boxes")):
@@ -367,6 +387,8 @@ class Reshape:
         except Exception as exc:  # reported to all ranks, never raised alone
             error = (type(exc), str(exc))
         _agree(_control_plane(), error, f"{self._name}.reset_operand()")
+        if self._symmetric and self._package != "numpy":  # known alike on every rank: all exchange, or none
+            _check_positions(_control_plane().allgather(_heap_position(operand)))
         self._source, self._operand, self._tracked = operand, conformed, tracked
         self._released = False
 
@@ -405,7 +427,9 @@ class Reshape:
                 )
             elif self._tracked and not is_symmetric_memory(self._source):
                 error = (SymmetricMemoryError, _FREED_OPERAND + ": give a live one with reset_operand()")
-        _agree(_control_plane(), error, f"{self._name}.execute()")  # the only exchange on the hot path when all is well
+        # the only exchange on the hot path when all is well; sync_symmetric_memory decides a collective step
+        sync = ("sync_symmetric_memory", bool(sync_symmetric_memory))
+        _agree(_control_plane(), error, f"{self._name}.execute()", sync)
         if self._operand is not self._source:
             np.copyto(self._operand, self._source)  # refresh the conforming copy: in-place updates count
         shape, order = self._spec.output_box.shape, self._spec.order

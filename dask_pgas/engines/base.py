@@ -41,16 +41,19 @@ class ControlPlane(ABC):
     def barrier(self) -> None:
         self.allgather(None)
 
-    def agree(self, error: str | None, call: str | None = None) -> list[tuple[int, str]]:
+    def agree(
+        self, error: str | None, call: str | None = None, same: tuple[str, Any] | None = None
+    ) -> list[tuple[int, str]]:
         """Collective: the ranks whose local step failed, with their messages, the same list on every rank
         (empty when all succeeded), so that every rank raises or none does.
 
         ``call`` names the public collective call this agreement opens (each one's first exchange passes it;
-        the steps inside a call pass None). Ranks that name different calls raise
+        the steps inside a call pass None); ``same`` is an optional ``(label, value)`` of an argument that
+        every rank must pass alike. Ranks that name different calls, or different values, raise
         :class:`CollectiveMismatchError` on every rank: the calls' own exchanges would pair up wrongly or hang."""
-        everything = self.allgather((call, error))
+        everything = self.allgather((call, same, error))
         _check_calls(everything)
-        return [(r, e) for r, (_, e) in enumerate(everything) if e]
+        return [(r, e) for r, (_, _, e) in enumerate(everything) if e]
 
     def bcast(self, obj: Any, root: int = 0) -> Any:
         return self.allgather(obj if self.rank == root else None)[root]
@@ -59,18 +62,23 @@ class ControlPlane(ABC):
         """Release communication resources (collective)."""
 
 
-def _check_calls(everything: list[tuple[str | None, str | None]]) -> None:
-    """Raise :class:`CollectiveMismatchError` when the ranks' ``(call, error)`` pairs name different calls."""
-    if len({c for c, _ in everything}) < 2:
-        return
-    by_rank = "; ".join(
-        f"rank {r}: {c or 'a step inside a collective call'}" + (f" (which failed there: {e})" if e else "")
-        for r, (c, e) in enumerate(everything)
-    )
-    raise CollectiveMismatchError(
-        f"ranks are in different collective calls ({by_rank}); every rank must make the same collective calls, "
-        "on the same objects, in the same order"
-    )
+def _check_calls(everything: list[tuple[str | None, tuple[str, Any] | None, str | None]]) -> None:
+    """Raise :class:`CollectiveMismatchError` when the ranks' ``(call, same, error)`` differ in call or in same."""
+    if len({c for c, _, _ in everything}) > 1:
+        by_rank = "; ".join(
+            f"rank {r}: {c or 'a step inside a collective call'}" + (f" (which failed there: {e})" if e else "")
+            for r, (c, _, e) in enumerate(everything)
+        )
+        raise CollectiveMismatchError(
+            f"ranks are in different collective calls ({by_rank}); every rank must make the same collective "
+            "calls, on the same objects, in the same order"
+        )
+    if len({repr(s) for _, s, _ in everything}) > 1:
+        label = next(s[0] for _, s, _ in everything if s is not None)
+        by_rank = "; ".join(f"rank {r}: {s[1] if s else None!r}" for r, (_, s, _) in enumerate(everything))
+        raise CollectiveMismatchError(
+            f"ranks called {everything[0][0]} with different {label} ({by_rank}); pass the same on every rank"
+        )
 
 
 @dataclass(frozen=True)

@@ -35,16 +35,18 @@ class MPIControl(ControlPlane):
     def barrier(self) -> None:
         self.comm.Barrier()
 
-    def agree(self, error: str | None, call: str | None = None) -> list[tuple[int, str]]:
-        # one Allreduce on the hot path: a failure flag and the call's code and its negation (their maxima show
-        # whether every rank named the same call); the messages and names travel only when something differs
+    def agree(
+        self, error: str | None, call: str | None = None, same: tuple[str, Any] | None = None
+    ) -> list[tuple[int, str]]:
+        # one Allreduce on the hot path: a failure flag, and a code of the call (and of ``same``) with its negation
+        # (their maxima show whether every rank passed the same); the messages travel only when something differs
         from mpi4py import MPI
 
-        code = zlib.crc32(call.encode()) if call else 0
+        code = zlib.crc32(repr((call, same)).encode()) if call or same else 0
         flags = np.array([1 if error else 0, code, -code], dtype=np.int64)
         self.comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
         if flags[0] or flags[1] != -flags[2]:
-            return super().agree(error, call)
+            return super().agree(error, call, same)
         return []
 
     def bcast(self, obj: Any, root: int = 0) -> Any:

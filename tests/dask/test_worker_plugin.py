@@ -73,7 +73,7 @@ class _Control:
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def agree(self, error, call=None):
+    def agree(self, error, call=None, same=None):
         self.entered.set()
         self.release.wait(30)
         return [(0, error)] if error else []

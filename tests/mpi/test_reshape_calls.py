@@ -23,6 +23,8 @@ MESSAGES = {
     "execute() of different Reshape objects": "every rank must make the same collective calls, on the same objects",
     "free_symmetric_memory on one rank, execute on the others": "rank 0: free_symmetric_memory(); rank 1: Reshape#",
     "finalize on one rank, execute on the others": "finalize()",
+    "execute(sync_symmetric_memory=) differs across ranks":
+        ("execute() with different sync_symmetric_memory (rank 0: True; rank 1: False", "pass the same on every"),
     "reset_operand(None) on one rank": "rank 1: reset_operand() needs an operand",
     "reshape of a freed symmetric operand on one rank": "rank 1: the operand was freed with free_symmetric_memory()",
     "execute after its symmetric operand was freed": "the operand was freed with free_symmetric_memory()",
@@ -36,7 +38,7 @@ MESSAGES = {
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_misused_calls_raise_the_same_error_on_every_rank(nranks):
     result, outcomes = run_cases("bad_calls.py", nranks, timeout=180)  # hangs fail; ranks agree
-    assert len(outcomes) == 35, sorted(outcomes)
+    assert len(outcomes) == 36, sorted(outcomes)
     for name, outcome in outcomes.items():
         assert outcome["raised"] == outcome["expect"], (name, outcome)
         if outcome["expect"] != "none":

@@ -44,10 +44,10 @@ class _Canned(ControlPlane):
 
 
 def test_agreement_names_the_call_and_refuses_different_calls():
-    same = _Canned([("Reshape#2.execute()", None), ("Reshape#2.execute()", "RuntimeStateError: freed")])
+    same = _Canned([("Reshape#2.execute()", None, None), ("Reshape#2.execute()", None, "RuntimeStateError: freed")])
     assert same.agree(None, "Reshape#2.execute()") == [(2, "RuntimeStateError: freed")]
-    assert _Canned([(None, None), (None, "x")]).agree(None) == [(2, "x")]  # steps inside a call name none
-    other = _Canned([("Reshape#2.plan()", None), ("allocate_symmetric_memory()", "ValueError: bad shape")])
+    assert _Canned([(None, None, None), (None, None, "x")]).agree(None) == [(2, "x")]  # steps inside name none
+    other = _Canned([("Reshape#2.plan()", None, None), ("allocate_symmetric_memory()", None, "ValueError: bad shape")])
     with pytest.raises(errors.CollectiveMismatchError) as info:
         other.agree(None, "Reshape#2.execute()")
     assert str(info.value).startswith(
@@ -55,7 +55,15 @@ def test_agreement_names_the_call_and_refuses_different_calls():
         "allocate_symmetric_memory() (which failed there: ValueError: bad shape))"
     )
     with pytest.raises(errors.CollectiveMismatchError, match="rank 1: a step inside a collective call"):
-        _Canned([(None, None), ("finalize()", None)]).agree(None, "finalize()")
+        _Canned([(None, None, None), ("finalize()", None, None)]).agree(None, "finalize()")
+    # the same call with an argument that must agree, passed differently
+    flags = _Canned([("R#1.execute()", ("sync", False), None), ("R#1.execute()", ("sync", True), None)])
+    with pytest.raises(errors.CollectiveMismatchError) as info:
+        flags.agree(None, "R#1.execute()", ("sync", True))
+    assert str(info.value) == (
+        "ranks called R#1.execute() with different sync (rank 0: True; rank 1: False; rank 2: True); pass the same "
+        "on every rank"
+    )
 
 
 def test_options():
@@ -80,6 +88,23 @@ def test_not_initialized_message():
     with pytest.raises(errors.NotInitializedError, match="initialize"):
         dask_pgas.allocate_symmetric_memory((2,), np)
     assert dask_pgas.heap_usage()["allocations"] == 0
+
+
+def test_heap_position_names_the_allocation_and_offset():
+    from mpi4py import MPI
+
+    from dask_pgas.memory import _heap_position
+
+    dask_pgas.initialize(communicator=MPI.COMM_SELF, backends=["mpi"])
+    try:
+        a = dask_pgas.allocate_symmetric_memory((8, 4), np)
+        seq, offset = _heap_position(a)
+        assert offset == 0 and _heap_position(a[2:]) == (seq, 2 * 4 * 8) and _heap_position(a[1:, 3]) == (seq, 56)
+        assert _heap_position(np.zeros(3)) is None
+        dask_pgas.free_symmetric_memory(a)
+        assert _heap_position(a) is None  # freed: in no live allocation
+    finally:
+        dask_pgas.finalize()
 
 
 def test_single_process_reshape_in_this_process():
@@ -127,15 +152,19 @@ def test_results_are_recycled_only_when_dropped():
 def test_gpu_operands_in_mixed_layouts_fail_on_every_rank():
     """Rank 0 F-contiguous, rank 1 C-contiguous GPU operands: the global check (run identically on every
     rank) refuses them, so no rank raises alone after the agreement while the others plan."""
-    from dask_pgas.errors import UnsupportedOperandError
+    from dask_pgas.errors import SymmetricMemoryError, UnsupportedOperandError
     from dask_pgas.reshape import Reshape
 
-    def desc(lo, up, c, f):
+    def desc(lo, up, c, f, position=(3, 0)):
         return {"error": None, "in": ((lo, 0), (up, 4)), "out": ((0, lo), (4, up)), "package": "cupy",
-                "dtype": "<f8", "symmetric": True, "c": c, "f": f}
+                "dtype": "<f8", "symmetric": True, "c": c, "f": f, "position": position}
 
     descs = [desc(0, 2, False, True), desc(2, 4, True, False)]
     with pytest.raises(UnsupportedOperandError, match=r"C-contiguous.*ranks \[0\]"):
         Reshape._check_global(descs)
     Reshape._check_global([desc(0, 2, True, True), desc(2, 4, True, False)])  # all C: fine
     Reshape._check_global([dict(d, package="numpy") for d in descs])  # host operands are copied into order
+    # GPU engines find a peer's operand at this rank's symmetric address: different slices of one array refused
+    with pytest.raises(SymmetricMemoryError, match=r"rank 0: allocation #3 \+ 0 bytes; rank 1: allocation #3 \+ 64"):
+        Reshape._check_global([desc(0, 2, True, True), desc(2, 4, True, False, (3, 64))])
+    Reshape._check_global([dict(d, package="numpy") for d in (desc(0, 2, True, True), desc(2, 4, True, True, None))])

@@ -310,6 +310,43 @@ def main():
 
     check("bad-inputs-raise-everywhere", bad_inputs)
 
+    def symmetric_positions_agreed():
+        # cuFFTMp and the peer path find a peer's operand at this rank's symmetric address: different slices of
+        # one symmetric array on different ranks must raise on every rank (in the constructor and in
+        # reset_operand), and execute() with sync_symmetric_memory differing across ranks too
+        a = sym(np.arange(32.0).reshape(8, 4))
+        b = Box((4 * RANK, 0), (4 * RANK + 4, 4))
+        try:
+            mine = a[4:] if RANK == SIZE - 1 else a[:4]
+            try:
+                Reshape(mine, b, b)
+            except errors.SymmetricMemoryError as exc:
+                assert SIZE > 1 and f"rank {SIZE - 1}: allocation #" in str(exc), exc
+            else:
+                assert SIZE == 1, "operands at different heap offsets did not raise"
+            with Reshape(a[:4], b, b) as r:
+                r.plan()
+                try:
+                    r.reset_operand(mine)
+                except errors.SymmetricMemoryError:
+                    assert SIZE > 1
+                else:
+                    assert SIZE == 1, "reset_operand to different heap offsets did not raise"
+                try:
+                    out = r.execute(sync_symmetric_memory=RANK != SIZE - 1)
+                except errors.CollectiveMismatchError as exc:
+                    assert SIZE > 1 and "sync_symmetric_memory" in str(exc), exc
+                else:
+                    assert SIZE == 1
+                    dask_pgas.free_symmetric_memory(out)
+                out = r.execute()  # still usable (with the first operand where the reset was refused)
+                assert cp.array_equal(out, a[:4] if SIZE > 1 else mine)
+                dask_pgas.free_symmetric_memory(out)
+        finally:
+            dask_pgas.free_symmetric_memory(a)
+
+    check("symmetric-positions-agreed", symmetric_positions_agreed)
+
     def heap_empty():
         u = dask_pgas.heap_usage("nvshmem")
         assert u["allocations"] == 0, u

@@ -191,6 +191,14 @@ def finalize_beside_execute():
 case("finalize on one rank, execute on the others", finalize_beside_execute, "CollectiveMismatchError")
 
 
+def sync_differs():
+    with planned() as r:
+        r.execute(sync_symmetric_memory=RANK != 1)  # decides a collective step on the GPU engine
+
+
+case("execute(sync_symmetric_memory=) differs across ranks", sync_differs, "CollectiveMismatchError")
+
+
 def plan_after_free_on_one_rank():
     r = Reshape(piece(col()), col(), row())
     if RANK == SIZE - 1:
