@@ -123,11 +123,12 @@ _serials = itertools.count(1)  # Reshape objects are created collectively: every
 
 
 def _check_positions(positions: list[tuple[int, int] | None]) -> None:
-    """GPU engines address a peer's operand at this rank's symmetric address: every rank's symmetric operand
-    must start at the same place of the same allocation (not, say, different slices of one array)."""
-    if len(set(positions)) > 1:
+    """GPU engines address a peer's operand at this rank's symmetric address: every rank's non-empty symmetric
+    operand must start at the same place of the same allocation (not, say, different slices of one array).
+    ``None``: empty, or in no allocation this registry knows (nothing to compare)."""
+    if len({p for p in positions if p is not None}) > 1:
         where = "; ".join(
-            f"rank {r}: " + (f"allocation #{p[0]} + {p[1]} bytes" if p else "not in a live allocation")
+            f"rank {r}: " + (f"allocation #{p[0]} + {p[1]} bytes" if p else "empty or not from this registry")
             for r, p in enumerate(positions)
         )
         raise SymmetricMemoryError(
@@ -232,7 +233,8 @@ class Reshape:
                 c=info.c_contiguous, f=info.f_contiguous,
                 symmetric=engine.on_heap(operand) or is_symmetric_memory(operand),
             )
-            desc["position"] = _heap_position(operand) if desc["symmetric"] else None
+            # where a non-empty symmetric operand starts (an empty one is never read: the engines skip it)
+            desc["position"] = _heap_position(operand) if desc["symmetric"] and info.nbytes else None
             if info.dtype.hasobject:
                 raise UnsupportedOperandError("object arrays cannot be reshaped across processes")
             if ibox.ndim != obox.ndim:
@@ -388,7 +390,8 @@ class Reshape:
             error = (type(exc), str(exc))
         _agree(_control_plane(), error, f"{self._name}.reset_operand()")
         if self._symmetric and self._package != "numpy":  # known alike on every rank: all exchange, or none
-            _check_positions(_control_plane().allgather(_heap_position(operand)))
+            mine = _heap_position(operand) if array_info(operand).nbytes else None
+            _check_positions(_control_plane().allgather(mine))
         self._source, self._operand, self._tracked = operand, conformed, tracked
         self._released = False
 

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # GPU validation on the device machine (one H200). cuFFTMp is too big for one upload, so a session makes three
 # back-to-back device calls (the machine keeps /tmp while it stays warm, 30 s after a call):
-#   1: carry [".gpu-stage/part-aa", ".gpu-stage/SHA256SUMS", ".whl"]   bash scripts/gpu/final.sh upload
-#   2: carry [".gpu-stage/part-ab"]                                      bash scripts/gpu/final.sh upload2
-#   3: carry [".gpu-stage/part-ac"]                                      BUDGET=560 bash scripts/gpu/final.sh JOB...
-# The parts come from `../shared/tools/stage-cufftmp cu13 .gpu-stage`; .whl holds the wheels of dask,
-# distributed, dask-mpi and their pure-Python dependencies. `upload` installs the wheels and runs the CPU-side
+#   1: carry [".gpu-stage/part-ac", ".whl"]                             bash scripts/gpu/final.sh upload
+#   2: carry [".gpu-stage/part-aa", ".gpu-stage/SHA256SUMS"]            bash scripts/gpu/final.sh upload2
+#   3: carry [".gpu-stage/part-ab"]                                      BUDGET=560 bash scripts/gpu/final.sh JOB...
+# (at most 64 MiB per call: the smallest part travels with the wheels). The parts come from
+# `../shared/tools/stage-cufftmp cu13 .gpu-stage`; .whl holds the cp312 wheels of dask, distributed, dask-mpi
+# and all their dependencies, plus hypothesis (`pip download --only-binary=:all: --python-version 3.12
+# --platform manylinux_2_17_x86_64 --platform any dask==... distributed==... hypothesis`, dask-mpi with
+# --no-deps); the host lacks some of them (tornado, in session 10). `upload` installs the wheels and runs the CPU-side
 # tests there; `upload2` brings NVSHMEM up from a unique id at 1, 2 and 4 PEs (no cuFFTMp needed); either may be
 # followed by the jobs that need no cuFFTMp (robust, cpubench), so that the upload calls do real work too. Any other
 # call reassembles cuFFTMp once (when not there yet) and runs its JOBs in order:
@@ -24,12 +27,13 @@
 #   cpubench  the CPU rechunk benchmark (4 CPU workers, MPI engine) S1, S3 and S4 on this host's 16 cores
 #   p2p       Dask p2p on CuPy chunks without dask_pgas, as released and with the candidate fix
 #   heap      what a full NVSHMEM heap does (probe)
-# Logs go to $OUT (one or more per job); PASS/FAIL lines and the key numbers to $OUT/summary.txt. A step that
+# Logs go to $OUT/logs.tar.gz (one or more per job, packed at the end: the device tool returns few files); PASS/FAIL
+# lines and the key numbers to $OUT/summary.txt. A step that
 # would start with less than 15 s of BUDGET left is skipped. (Rounds 1-10 of docs/gpu-validation.md name the
 # per-session modes this script had at their trees; they are in the git history.)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/stage /tmp/site
-export PYTHONUNBUFFERED=1 NVSHMEM_DISABLE_NVLS=1 NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo \
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 NVSHMEM_DISABLE_NVLS=1 NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo \
        NVSHMEM_SYMMETRIC_SIZE=8g NVSHMEM_DISABLE_NCCL=1 OMP_NUM_THREADS=1 \
        OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 export PYTHONPATH=/tmp/site:$PWD
@@ -39,6 +43,8 @@ MPIRUN="mpirun --bind-to none"
 SUITE=tests/mpi/programs/reshape_suite.py
 
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+# the device tool brings back only a few files per call: every log goes into one archive beside summary.txt
+pack_logs() { (cd "$OUT" && ls ./*.log >/dev/null 2>&1 && tar -czf logs.tar.gz --remove-files ./*.log); true; }
 # step NAME TIMEOUT LOG cmd...: run under a timeout, record PASS/FAIL and seconds in the summary
 step() {
   local name=$1 to=$2 log=$3; shift 3
@@ -73,7 +79,8 @@ dask_suite() {
       env DASK_PGAS_TEST_GPU_WORKERS="$1" DASK_PGAS_TEST_CLUSTER=local python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py
   else
     step "dask suite, $1 GPU workers" "$2" "$3" \
-      env DASK_PGAS_TEST_GPU_WORKERS="$1" python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py
+      env DASK_PGAS_TEST_GPU_WORKERS="$1" DASK_PGAS_TEST_CLUSTER_LOG="${3%.log}-cluster.log" \
+      python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py
   fi
 }
 rechunk_bench() {  # rechunk_bench K SIZES TIMEOUT LOG [ARGS...]
@@ -185,7 +192,7 @@ cp .gpu-stage/part-* .gpu-stage/SHA256SUMS /tmp/stage/ 2>/dev/null
 NOLIB=  # set by the upload calls: cuFFTMp is not all there yet, so only jobs that need no cuFFTMp may follow them
 case "${1:-}" in
   upload)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    python3 scripts/gpu/install_wheels.py .whl /tmp/site >>"$S" 2>&1
     step "cpu planning tests" 90 "$OUT/upload.log" python3 -m pytest -q -p no:cacheprovider \
       tests/gpu/test_gpu_planning_cpu.py tests/unit tests/dask/test_chunks.py
     shift; NOLIB=1 ;;
@@ -205,7 +212,7 @@ for job in "$@"; do
     echo "$job needs cuFFTMp: run it after the uploads (only robust and cpubench may follow upload/upload2)" >&2; exit 2
   fi
 done
-if [ -n "$NOLIB" ] && [ $# -eq 0 ]; then cat "$S"; exit 0; fi
+if [ -n "$NOLIB" ] && [ $# -eq 0 ]; then cat "$S"; pack_logs; exit 0; fi
 if [ -z "$NOLIB" ] && [ ! -e /tmp/site/nvidia/cufftmp/cu13/lib/libcufftMp.so.12 ]; then
   (cd /tmp/stage && cat part-* > cufftmp-cu13-lib.tar.xz && sha256sum -c SHA256SUMS | sed 's/^/  /') >>"$S" 2>&1
   mkdir -p /tmp/site/nvidia/cufftmp/cu13 && xz -dc -T0 /tmp/stage/cufftmp-cu13-lib.tar.xz | tar -x -C /tmp/site/nvidia/cufftmp/cu13
@@ -219,3 +226,4 @@ for job in "$@"; do
 done
 echo "elapsed $(( $(date +%s) - START ))s" >>"$S"
 cat "$S"
+pack_logs

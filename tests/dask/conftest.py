@@ -47,6 +47,10 @@ def pgas_cluster():
         )
     yield cluster
     cluster.close()
+    keep = os.environ.get("DASK_PGAS_TEST_CLUSTER_LOG")  # the scheduler's and workers' output, for the GPU rounds
+    if keep and hasattr(cluster, "logs"):
+        with open(keep, "a") as f:
+            f.write(cluster.logs())
 
 
 @pytest.fixture()

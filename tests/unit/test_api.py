@@ -168,3 +168,4 @@ def test_gpu_operands_in_mixed_layouts_fail_on_every_rank():
     with pytest.raises(SymmetricMemoryError, match=r"rank 0: allocation #3 \+ 0 bytes; rank 1: allocation #3 \+ 64"):
         Reshape._check_global([desc(0, 2, True, True), desc(2, 4, True, False, (3, 64))])
     Reshape._check_global([dict(d, package="numpy") for d in (desc(0, 2, True, True), desc(2, 4, True, True, None))])
+    Reshape._check_global([desc(0, 2, True, True), desc(2, 4, True, False, None)])  # empty: nothing to compare
