@@ -24,7 +24,7 @@
 #   enginebench  the engine benchmark at 1, 2 and 4 PEs (Reshape.execute against the bare plan and a D2D copy)
 #   bench     the engine benchmark at 1, 2 and 4 PEs; the rechunk benchmark on 1, 2 and 4 workers beside Dask
 #   large     the rechunk benchmark on 1 worker at 32, 48 and 56 GiB
-#   cpubench  the CPU rechunk benchmark (4 CPU workers, MPI engine) S1, S3 and S4 on this host's 16 cores
+#   cpubench  the CPU rechunk benchmark (4 CPU workers, MPI engine) S1 and S3 on this host's 16 cores
 #   p2p       Dask p2p on CuPy chunks without dask_pgas, as released and with the candidate fix
 #   heap      what a full NVSHMEM heap does (probe)
 # Logs go to $OUT/logs.tar.gz (one or more per job, packed at the end: the device tool returns few files); PASS/FAIL
@@ -162,11 +162,11 @@ job_bench() {
   rechunk_bench 4 1GiB 150 "$OUT/bench-rechunk4.log" --repeats 3 --p2p-cupy-fix
   grep -h "GB/s\|floor\|Error\|worker" "$OUT"/bench-rechunk*.log >>"$S" 2>/dev/null
 }
-job_cpubench() {  # the CPU benchmark (MPI engine, 4 CPU workers, no GPU) on this host's 16 cores: S1, then S3 and S4
+job_cpubench() {  # the CPU benchmark (MPI engine, 4 CPU workers, no GPU) on this host's 16 cores: S1, then S3
   step "CPU rechunk bench S1, 4 CPU workers" 240 "$OUT/cpubench.log" \
     python3 benchmarks/bench_rechunk.py --scenarios S1 --repeats 3 --rounds 5
-  step "CPU rechunk bench S3 and S4, 4 CPU workers" 200 "$OUT/cpubench.log" \
-    python3 benchmarks/bench_rechunk.py --scenarios S3,S4 --repeats 3
+  step "CPU rechunk bench S3, 4 CPU workers" 150 "$OUT/cpubench.log" \
+    python3 benchmarks/bench_rechunk.py --scenarios S3 --repeats 3  # with S4 too it ran past 200 s (round 12)
   grep -h "^| S\|by round\|^# \|Error" "$OUT/cpubench.log" >>"$S" 2>/dev/null
 }
 job_large() {
