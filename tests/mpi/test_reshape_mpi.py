@@ -17,6 +17,14 @@ def test_random_layouts_against_numpy(nranks):
     check(run_mpi("reshape_suite.py", nranks, "--examples", str(examples), timeout=300), nranks)
 
 
+@pytest.mark.parametrize("pack", ["never", "always"])
+def test_random_layouts_with_and_without_packing(pack):
+    """Both ways of sending strided pieces (packed first, as MPICH wants; as subarrays, as Open MPI wants) against
+    NumPy, whichever the MPI library here would pick by itself."""
+    result = run_mpi("reshape_suite.py", 3, "--examples", "40", timeout=300, env={"DASK_PGAS_MPI_PACK": pack})
+    check(result, 3)
+
+
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_bad_inputs_raise_the_same_error_on_every_rank(nranks):
     _, outcomes = run_cases("bad_inputs.py", nranks, timeout=180)  # hangs fail; ranks agree

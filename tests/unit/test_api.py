@@ -169,3 +169,20 @@ def test_gpu_operands_in_mixed_layouts_fail_on_every_rank():
         Reshape._check_global([desc(0, 2, True, True), desc(2, 4, True, False, (3, 64))])
     Reshape._check_global([dict(d, package="numpy") for d in (desc(0, 2, True, True), desc(2, 4, True, True, None))])
     Reshape._check_global([desc(0, 2, True, True), desc(2, 4, True, False, None)])  # empty: nothing to compare
+
+
+def test_packing_strided_sends_follows_the_mpi_library(monkeypatch):
+    from mpi4py import MPI
+
+    from dask_pgas.engines import mpi as engine
+
+    monkeypatch.delenv("DASK_PGAS_MPI_PACK", raising=False)
+    monkeypatch.setattr(MPI, "Get_library_version", lambda: "MPICH Version: 4.3.2 ...")
+    assert engine._pack_strided_sends() is True
+    monkeypatch.setattr(MPI, "Get_library_version", lambda: "Open MPI v4.1.6, package: ...")
+    assert engine._pack_strided_sends() is False
+    monkeypatch.setenv("DASK_PGAS_MPI_PACK", "always")
+    assert engine._pack_strided_sends() is True
+    monkeypatch.setenv("DASK_PGAS_MPI_PACK", "bogus")
+    with pytest.warns(UserWarning, match="DASK_PGAS_MPI_PACK"):
+        assert engine._pack_strided_sends() is False  # auto, under Open MPI
