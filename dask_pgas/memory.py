@@ -33,7 +33,8 @@ logger = logging.getLogger("dask_pgas.memory")
 
 @dataclass(eq=False)
 class _Record:
-    seq: int
+    seq: int  # this process's key of the record
+    number: int  # the allocation's number in its world: the same on every rank (compared across ranks)
     engine: Engine
     allocation: Allocation
     ref: weakref.ref
@@ -211,7 +212,7 @@ def allocate_symmetric_memory(
 
 def _register(engine: Engine, allocation: Allocation, array: Any, desc: str) -> None:
     seq = next(_seq)
-    rec = _Record(seq, engine, allocation, weakref.ref(array), desc)
+    rec = _Record(seq, _control_plane().number("allocation"), engine, allocation, weakref.ref(array), desc)
     _live[seq] = rec
     _by_id[id(array)] = seq
     weakref.finalize(array, _collected, seq)
@@ -267,7 +268,7 @@ def _heap_position(array: Any) -> tuple[int, int] | None:
         for rec in _live.values():
             lo = rec.allocation.ptr
             if lo <= ptr < lo + max(rec.allocation.nbytes, 1):
-                return rec.seq, ptr - lo
+                return rec.number, ptr - lo
     return None
 
 
@@ -299,7 +300,7 @@ def free_symmetric_memory(*arrays: Any) -> None:
         if error is None and len({r.seq for r in records}) != len(records):
             error = "the same array is passed twice"
         control.agree(None, "free_symmetric_memory()")  # every rank is in this call, or all raise
-        seqs = _agree(control, error, [r.seq for r in records])
+        seqs = _agree(control, error, [r.number for r in records])
         if len({tuple(s) for s in seqs}) > 1:
             raise SymmetricMemoryError(
                 f"ranks free different allocations (allocation numbers by rank: {seqs}); every rank must free "

@@ -9,7 +9,6 @@ the same checks on the same data, so every rank raises the same exception and no
 
 from __future__ import annotations
 
-import itertools
 import logging
 import sys
 from dataclasses import dataclass, fields
@@ -119,9 +118,6 @@ def _agree(
         raise _RAISABLE.get(name, errors.CollectiveError)(f"rank {rank}: {msg}")
 
 
-_serials = itertools.count(1)  # Reshape objects are created collectively: every rank numbers them alike
-
-
 def _check_positions(positions: list[tuple[int, int] | None]) -> None:
     """GPU engines address a peer's operand at this rank's symmetric address: every rank's non-empty symmetric
     operand must start at the same place of the same allocation (not, say, different slices of one array).
@@ -181,7 +177,7 @@ class Reshape:
         control = _control_plane()
         desc, engine, parsed = self._describe(operand, input_box, output_box, options)
         control.agree(None, "Reshape()")  # every rank is in this call, or all raise
-        self._name = f"Reshape#{next(_serials)}"
+        self._name = f"Reshape#{control.number('Reshape') + 1}"  # numbered alike on every rank of this world
         descs = control.allgather(desc)
         _raise_first(descs)
         self._check_global(descs)
@@ -431,7 +427,11 @@ class Reshape:
             elif self._tracked and not is_symmetric_memory(self._source):
                 error = (SymmetricMemoryError, _FREED_OPERAND + ": give a live one with reset_operand()")
         # the only exchange on the hot path when all is well; sync_symmetric_memory decides a collective step
-        sync = ("sync_symmetric_memory", bool(sync_symmetric_memory))
+        try:
+            sync = ("sync_symmetric_memory", bool(sync_symmetric_memory))
+        except Exception as exc:  # reported to all ranks, never raised alone
+            sync = ("sync_symmetric_memory", None)
+            error = error or (TypeError, f"sync_symmetric_memory must be True or False ({type(exc).__name__}: {exc})")
         _agree(_control_plane(), error, f"{self._name}.execute()", sync)
         if self._operand is not self._source:
             np.copyto(self._operand, self._source)  # refresh the conforming copy: in-place updates count
@@ -445,7 +445,7 @@ class Reshape:
             if result is None:
                 result = self._engine.empty(shape, self._spec.dtype, self._package, order)
         stream = stream if stream is not None else self._stream
-        self._plan.execute(self._operand, result, stream=stream, sync_symmetric_memory=sync_symmetric_memory)
+        self._plan.execute(self._operand, result, stream=stream, sync_symmetric_memory=sync[1])
         self._remember(result)
         blocking = self.options.blocking
         if blocking is True or (blocking == "auto" and self._package == "numpy"):

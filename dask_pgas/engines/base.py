@@ -11,6 +11,7 @@ collectively and keeps the registry of symmetric allocations; an engine only mov
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,13 @@ class ControlPlane(ABC):
     def bcast(self, obj: Any, root: int = 0) -> Any:
         return self.allgather(obj if self.rank == root else None)[root]
 
+    def number(self, kind: str) -> int:
+        """The next number (0, 1, ...) of ``kind`` in this world. Local: objects every rank makes collectively
+        (symmetric allocations, Reshape objects) get the same number on every rank of this world, whatever
+        each process made in the worlds it had before (a per-process count would differ between them)."""
+        counters = self.__dict__.setdefault("_numbers", {})
+        return next(counters.setdefault(kind, itertools.count()))
+
     def free(self) -> None:  # noqa: B027 - optional hook
         """Release communication resources (collective)."""
 
@@ -73,7 +81,8 @@ def _check_calls(everything: list[tuple[str | None, tuple[str, Any] | None, str 
             f"ranks are in different collective calls ({by_rank}); every rank must make the same collective "
             "calls, on the same objects, in the same order"
         )
-    if len({repr(s) for _, s, _ in everything}) > 1:
+    # a rank whose local step failed may have no value to compare (its error is what every rank raises then)
+    if len({repr(s) for _, s, e in everything if not e}) > 1:
         label = next(s[0] for _, s, _ in everything if s is not None)
         by_rank = "; ".join(f"rank {r}: {s[1] if s else None!r}" for r, (_, s, _) in enumerate(everything))
         raise CollectiveMismatchError(

@@ -66,6 +66,21 @@ def test_agreement_names_the_call_and_refuses_different_calls():
     )
 
 
+def test_agreement_compares_arguments_only_of_ranks_without_a_local_error():
+    # rank 1 could not even form its value (its error is what every rank raises), so nothing is mismatched
+    failed = _Canned([("R#1.execute()", ("sync", None), "TypeError: no truth value"),
+                      ("R#1.execute()", ("sync", True), None)])
+    assert failed.agree(None, "R#1.execute()", ("sync", True)) == [(1, "TypeError: no truth value")]
+
+
+def test_numbers_are_per_world():
+    """A process numbers allocations and Reshape objects per world (control plane), so a rank that had a world
+    of its own before names the same objects as its peers in the next world."""
+    first, second = _Canned([]), _Canned([])
+    assert [first.number("Reshape") for _ in range(3)] == [0, 1, 2] and first.number("allocation") == 0
+    assert second.number("Reshape") == 0 and second.number("allocation") == 0
+
+
 def test_options():
     assert ReshapeOptions().blocking == "auto"
     with pytest.raises(ValueError):
@@ -105,6 +120,28 @@ def test_heap_position_names_the_allocation_and_offset():
         assert _heap_position(a) is None  # freed: in no live allocation
     finally:
         dask_pgas.finalize()
+
+
+def test_allocations_and_reshapes_are_numbered_per_world():
+    """Numbers compared across ranks (free_symmetric_memory's, the position check's, Reshape#n) start again with
+    each world: a process that had a world before names the same objects as a process that had none."""
+    from mpi4py import MPI
+
+    from dask_pgas.memory import _heap_position
+    from dask_pgas.reshape import Reshape
+
+    names = []
+    for _ in range(2):
+        dask_pgas.initialize(communicator=MPI.COMM_SELF, backends=["mpi"])
+        try:
+            a = dask_pgas.allocate_symmetric_memory((2,), np)
+            assert _heap_position(a) == (0, 0)
+            with Reshape(np.zeros(2), ((0,), (2,)), ((0,), (2,))) as r:
+                names.append(r._name)
+            dask_pgas.free_symmetric_memory(a)
+        finally:
+            dask_pgas.finalize()
+    assert names == ["Reshape#1", "Reshape#1"]
 
 
 def test_single_process_reshape_in_this_process():

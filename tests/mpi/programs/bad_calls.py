@@ -199,6 +199,14 @@ def sync_differs():
 case("execute(sync_symmetric_memory=) differs across ranks", sync_differs, "CollectiveMismatchError")
 
 
+def sync_not_a_truth_value():
+    with planned() as r:
+        r.execute(sync_symmetric_memory=np.array([True, False]) if RANK == 1 else True)  # bool() raises on rank 1
+
+
+case("execute(sync_symmetric_memory=) has no truth value on one rank", sync_not_a_truth_value, "TypeError")
+
+
 def plan_after_free_on_one_rank():
     r = Reshape(piece(col()), col(), row())
     if RANK == SIZE - 1:
@@ -390,6 +398,32 @@ def nvmath_signatures():
 
 case("nvmath signatures: plan(stream), execute(stream, release_workspace, sync), reset_operand(*, stream)",
      nvmath_signatures)
+
+
+# -- numbering: Reshape objects and allocations are numbered per world, not per process --------------------------
+def numbered_per_world():
+    """Rank 0 first has a world of its own (a Reshape and an allocation there), then every rank joins one world:
+    its calls name the same objects on every rank."""
+    from mpi4py import MPI
+
+    dask_pgas.finalize()
+    if RANK == 0:
+        dask_pgas.initialize(None, MPI.COMM_SELF, backends=[opts.backend])
+        alone = dask_pgas.allocate_symmetric_memory((2, 2), np)
+        reshape(np.ones((2, 2)), Box((0, 0), (2, 2)), Box((0, 0), (2, 2)))
+        dask_pgas.free_symmetric_memory(alone)
+        dask_pgas.finalize()
+    initialize(opts)
+    a, b = symmetric(col()), None
+    try:
+        with planned(a) as r:
+            b = r.execute()
+            assert np.array_equal(b, piece(row()))
+    finally:
+        release(a, b)
+
+
+case("numbering restarts with each world (a rank that had a world of its own before)", numbered_per_world)
 
 
 # -- D8: after finalize ----------------------------------------------------------------------------------------------
