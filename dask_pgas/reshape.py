@@ -152,7 +152,7 @@ class Reshape:
     :meth:`plan`, :meth:`reset_operand` and :meth:`execute` agree on their preconditions across ranks before any
     collective step, so a misuse on one rank (``execute()`` after ``free()`` or :meth:`release_operand`, with a
     freed symmetric operand) raises the same exception on every rank. Each collective call opens by naming
-    itself and its object (``Reshape#3.execute()``, numbered in creation order, the same on every rank): ranks
+    itself and its object (``Reshape#3.execute()``, numbered in creation order per world, alike on every rank): ranks
     in different calls (``execute()`` before ``plan()`` on one rank, or on another object) all raise
     :class:`~dask_pgas.errors.CollectiveMismatchError`. After
     :func:`dask_pgas.finalize` they raise :class:`RuntimeStateError`; :meth:`release_operand` and :meth:`free`
