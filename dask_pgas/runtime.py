@@ -173,9 +173,11 @@ def initialize(
     """
     global _owner_pid, _communicator
     with _lock:
-        if is_initialized():  # a running world: ranks making another call there meet this one and all raise
-            _control_plane().agree(None, "initialize()")
         comm = communicator if communicator is not None else _default_communicator()
+        if is_initialized() and _same_ranks(comm, _communicator):
+            # initializing the running world again: ranks making another call there meet this one and all raise
+            # (with another communicator, e.g. a part of the world, only its ranks are here: the exchange below)
+            _control_plane().agree(None, "initialize()")
         everywhere = comm.allgather(_local_setup(backends))  # the one exchange: every rank decides alike
         for rank, (cls, message, *_) in enumerate(everywhere):
             if cls is not None:
@@ -268,6 +270,20 @@ def get_context() -> DistributedContext | None:
             nranks=first.nranks,
             nvshmem_available=nvshmem is not None,
         )
+
+
+def _same_ranks(comm: Any, world: Any) -> bool:
+    """Local: whether mpi4py communicator ``comm`` holds the same processes as ``world`` (False when that cannot
+    be told: no world over MPI, e.g. one brought up from an NVSHMEM unique id, or a world communicator the
+    caller has freed since, as the Dask worker plugin does)."""
+    if world is None or not hasattr(comm, "Compare"):
+        return False
+    from mpi4py import MPI
+
+    try:
+        return comm.Compare(world) != MPI.UNEQUAL
+    except MPI.Exception:
+        return False
 
 
 def _control_plane() -> ControlPlane:

@@ -13,10 +13,10 @@ import dataclasses
 import os
 
 import numpy as np
-from _common import COMM, RANK, SIZE, outcome_of, report_case, report_ok
+from _common import COMM, RANK, SIZE, all_ok, outcome_of, report_case, report_ok
 
 import dask_pgas
-from dask_pgas import runtime
+from dask_pgas import errors, runtime
 from dask_pgas.distribution import Box
 
 os.environ.pop("DASK_PGAS_BACKEND", None)  # the default-backend case must see the built-in default
@@ -91,6 +91,28 @@ def again_beside_reshape():
 
 
 case("initialize again on one rank, reshape on the others", again_beside_reshape, "CollectiveMismatchError")
+
+
+def again_on_part_of_the_world():
+    """initialize() again on a communicator holding only part of the running world: only its ranks are in the
+    call, so none may wait for the rest of the world (it is refused there, as on the whole world)."""
+    dask_pgas.initialize(None, COMM, backends=["mpi"])
+    part = COMM.Split(0 if RANK < LAST else 1)
+    try:
+        refused = True
+        if RANK < LAST:
+            try:
+                dask_pgas.initialize(None, part, backends=["mpi"])
+                refused = False
+            except errors.RuntimeStateError:
+                pass
+        assert all_ok(refused), "initialize() on part of a running world was not refused"
+    finally:
+        part.Free()
+        dask_pgas.finalize()
+
+
+case("initialize again on part of the world", again_on_part_of_the_world)
 
 
 # -- get_context ---------------------------------------------------------------------------------------------------
