@@ -86,7 +86,7 @@ _RAISABLE = {
     cls.__name__: cls
     for cls in (
         DistributionError, UnsupportedOperandError, SymmetricMemoryError, BackendUnavailableError,
-        RuntimeStateError, TypeError, ValueError,
+        RuntimeStateError, TypeError, ValueError, MemoryError,
     )
 }
 
@@ -103,14 +103,18 @@ def _by_rank(values: list[Any]) -> str:
 
 
 def _agree(
-    control: Any, error: tuple[type[BaseException], str] | None, call: str, same: tuple[str, Any] | None = None
+    control: Any,
+    error: tuple[type[BaseException], str] | None,
+    call: str | None = None,
+    same: tuple[str, Any] | None = None,
 ) -> None:
     """Collective: raise the first failing rank's error on every rank, or return on all of them.
 
     One ``ControlPlane.agree`` naming ``call`` (on the MPI engine one ``Allreduce`` of three integers; the
     messages travel only on failure). Every collective method opens with it, so a rank that skipped a call or
     made another (``plan()`` on one rank only) meets its peers at the next agreement and all raise
-    :class:`~dask_pgas.errors.CollectiveMismatchError`, naming each rank's call and its local error if any."""
+    :class:`~dask_pgas.errors.CollectiveMismatchError`, naming each rank's call and its local error if any.
+    Steps inside a call (``call=None``) agree on local work that could fail on one rank only."""
     bad = control.agree(None if error is None else f"{error[0].__name__}: {error[1]}", call, same)
     if bad:
         rank, text = bad[0]
@@ -196,7 +200,15 @@ class Reshape:
         # _source: the user's array; _operand: the same array, or its copy in the plan's memory order, refreshed
         # from _source at every execute (so in-place updates of the user's array count on every rank alike)
         self._source: Any = operand
-        self._operand: Any = self._conform(operand)
+        self._operand: Any = operand
+        if not all(d["c"] if self._spec.order == "C" else d["f"] for d in descs):
+            # some rank copies its operand into the plan's order: a failure there (no memory) reaches every rank
+            error = None
+            try:
+                self._operand = self._conform(operand)
+            except Exception as exc:
+                error = (type(exc), str(exc))
+            _agree(control, error)
         self._tracked = is_symmetric_memory(operand)  # registered symmetric memory: checked at each execute
         self.logger.debug(
             "rank %d: reshape %s -> %s (%s, order %s, %d ranks) on the %s engine",
@@ -345,8 +357,22 @@ class Reshape:
         self._check_runtime()
         if self._plan is not None:  # free() clears the plan, so a freed object always reaches the agreement
             return
-        _agree(_control_plane(), self._freed_error(), f"{self._name}.plan()")
-        self._plan = self._engine.plan_reshape(self._spec)
+        control = _control_plane()
+        _agree(control, self._freed_error(), f"{self._name}.plan()")
+        # the MPI engine builds its plans locally: one rank failing (no memory for its pack buffer) must not leave
+        # the others to their next collective; a GPU engine's plan fails on every rank alike, and then so does this
+        plan, error = None, None
+        try:
+            plan = self._engine.plan_reshape(self._spec)
+        except Exception as exc:
+            error = (type(exc), str(exc))
+        try:
+            _agree(control, error)
+        except BaseException:
+            if plan is not None:
+                plan.free()
+            raise
+        self._plan = plan
 
     def reset_operand(self, operand: Any, *, stream: Any = None) -> None:
         """Use a new operand of the same shape, dtype, package and memory kind (collective).
@@ -432,18 +458,22 @@ class Reshape:
         except Exception as exc:  # reported to all ranks, never raised alone
             sync = ("sync_symmetric_memory", None)
             error = error or (TypeError, f"sync_symmetric_memory must be True or False ({type(exc).__name__}: {exc})")
+        shape, order = self._spec.output_box.shape, self._spec.order
+        result = None
+        if error is None and not self._symmetric:  # local: allocated before the agreement, which covers its failure
+            try:
+                result = self._recycled_result()
+                if result is None:
+                    result = self._engine.empty(shape, self._spec.dtype, self._package, order)
+            except Exception as exc:
+                error = (type(exc), str(exc))
         _agree(_control_plane(), error, f"{self._name}.execute()", sync)
         if self._operand is not self._source:
             np.copyto(self._operand, self._source)  # refresh the conforming copy: in-place updates count
-        shape, order = self._spec.output_box.shape, self._spec.order
-        if self._symmetric:
+        if self._symmetric:  # collective (agreed inside): after the agreement
             # every rank knows every output box: the common padded size needs no exchange
             padded = max(b.size for b in self._spec.output_boxes) * self._spec.dtype.itemsize
             result = _allocate_internal(self._engine, padded, shape, self._spec.dtype, self._package, order)
-        else:
-            result = self._recycled_result()
-            if result is None:
-                result = self._engine.empty(shape, self._spec.dtype, self._package, order)
         stream = stream if stream is not None else self._stream
         self._plan.execute(self._operand, result, stream=stream, sync_symmetric_memory=sync[1])
         self._remember(result)

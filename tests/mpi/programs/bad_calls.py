@@ -9,6 +9,7 @@ rank's heap must be empty) and the OK lines. NumPy operands on the MPI backend; 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -424,6 +425,66 @@ def numbered_per_world():
 
 
 case("numbering restarts with each world (a rank that had a world of its own before)", numbered_per_world)
+
+
+# -- local work after a call's opening agreement, failing on one rank: agreed before the next collective step -------
+def failing_on(rank, obj, name):
+    """Make ``obj.name`` raise MemoryError on ``rank`` only (a context manager)."""
+
+    @contextlib.contextmanager
+    def patched():
+        saved = obj.__dict__.get(name)
+        if RANK == rank:
+            def fail(*args, **kwargs):
+                raise MemoryError("no memory (injected)")
+            setattr(obj, name, fail)
+        try:
+            yield
+        finally:
+            if RANK == rank:
+                if saved is None:
+                    delattr(obj, name)
+                else:
+                    setattr(obj, name, saved)
+
+    return patched()
+
+
+def plan_fails_on_one_rank():
+    from dask_pgas.engines import mpi as engine
+
+    with failing_on(1, engine, "MPIReshapePlan"), Reshape(piece(col()), col(), row()) as r:
+        r.plan()  # built locally by the MPI engine
+        r.execute()
+
+
+case("plan() fails on one rank (the MPI engine plans locally)", plan_fails_on_one_rank, "MemoryError")
+
+
+def result_allocation_fails_on_one_rank():
+    with Reshape(piece(col()), col(), row()) as r:
+        r.plan()
+        failed = None
+        with failing_on(1, r._engine, "empty"):
+            try:
+                r.execute()
+            except MemoryError as exc:
+                failed = exc
+        assert np.array_equal(r.execute(), piece(row()))  # usable afterwards, on every rank
+        if failed is not None:
+            raise failed
+
+
+case("execute() cannot allocate its result on one rank", result_allocation_fails_on_one_rank, "MemoryError")
+
+
+def conforming_copy_fails_on_one_rank():
+    operand = np.asfortranarray(piece(col())) if RANK == 1 else piece(col())  # rank 1 copies into C order
+    with failing_on(1, Reshape, "_conform"):
+        Reshape(operand, col(), row()).free()
+
+
+case("the conforming copy fails on one rank", conforming_copy_fails_on_one_rank, "MemoryError")
 
 
 # -- D8: after finalize ----------------------------------------------------------------------------------------------
