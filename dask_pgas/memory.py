@@ -258,12 +258,15 @@ def _lookup(array: Any) -> tuple[_Record | None, str | None]:
 
 def _heap_position(array: Any) -> tuple[int, int] | None:
     """Where ``array``'s data starts in symmetric memory: (allocation number, byte offset in it), numbers that
-    are the same on every rank for the same place (allocations are collective); None when it is in no live
-    allocation. Local."""
+    are the same on every rank for the same place (allocations are collective); None when it is empty (never
+    read: there is nothing to place) or in no live allocation. Local."""
     try:
-        ptr = array_info(array).ptr
+        info = array_info(array)
     except Exception:
         return None
+    if not info.nbytes:
+        return None
+    ptr = info.ptr
     with _lock:
         for rec in _live.values():
             lo = rec.allocation.ptr

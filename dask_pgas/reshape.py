@@ -241,8 +241,7 @@ class Reshape:
                 c=info.c_contiguous, f=info.f_contiguous,
                 symmetric=engine.on_heap(operand) or is_symmetric_memory(operand),
             )
-            # where a non-empty symmetric operand starts (an empty one is never read: the engines skip it)
-            desc["position"] = _heap_position(operand) if desc["symmetric"] and info.nbytes else None
+            desc["position"] = _heap_position(operand) if desc["symmetric"] else None
             if info.dtype.hasobject:
                 raise UnsupportedOperandError("object arrays cannot be reshaped across processes")
             if ibox.ndim != obox.ndim:
@@ -412,8 +411,7 @@ class Reshape:
             error = (type(exc), str(exc))
         _agree(_control_plane(), error, f"{self._name}.reset_operand()")
         if self._symmetric and self._package != "numpy":  # known alike on every rank: all exchange, or none
-            mine = _heap_position(operand) if array_info(operand).nbytes else None
-            _check_positions(_control_plane().allgather(mine))
+            _check_positions(_control_plane().allgather(_heap_position(operand)))
         self._source, self._operand, self._tracked = operand, conformed, tracked
         self._released = False
 

@@ -58,17 +58,15 @@ def main(argv: list[str] | None = None) -> None:
         pass
     sys.stdout.flush()
     sys.stderr.flush()
-    if state["poisoned"] or _runtime_up():  # no MPI_Finalize (it would wait for a peer or run collectives) ...
+    from dask_pgas import runtime
+
+    # a peer died inside a collective, or the world was not torn down: no MPI_Finalize (it would wait for the
+    # peer or run collectives) ...
+    if state["poisoned"] or runtime.is_initialized():
         from ._orphan_guard import mpi_shm_files, remove_files
 
         remove_files(mpi_shm_files([os.getpid()]))  # ... so the MPI library's /dev/shm files are removed here
         os._exit(0)
-
-
-def _runtime_up() -> bool:
-    from dask_pgas import runtime
-
-    return runtime.is_initialized()  # the world was not torn down: do not run collectives at exit
 
 
 if __name__ == "__main__":
