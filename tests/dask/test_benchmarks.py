@@ -1,0 +1,59 @@
+"""The CPU benchmarks run, small, and report what they claim to (so a change elsewhere cannot leave them broken)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ..mpirun import run_mpi
+
+pytestmark = [pytest.mark.dask, pytest.mark.timeout(300)]
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _run(*args: str) -> str:
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=240, cwd=BENCH.parent)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    return out.stdout
+
+
+def test_bench_rechunk_small(tmp_path):
+    rows_file = tmp_path / "rows.json"
+    stdout = _run(str(BENCH / "bench_rechunk.py"), "--workers", "2", "--n", "256", "--s3-n", "2521",
+                  "--scenarios", "S1,S3", "--repeats", "1", "--json", str(rows_file))
+    rows = {r["scenario"]: r for r in json.loads(rows_file.read_text())}
+    assert set(rows) == {"S1", "S3"}
+    for row in rows.values():
+        assert not [k for k in row if k.endswith("_error")], row
+        for method in ("pgas", "tasks", "p2p"):
+            assert row[f"{method}_ok"] is True, row  # every method's result checked against the input
+            assert row[f"{method}_fwd_GBps"] > 0 and row[f"{method}_back_GBps"] > 0
+    assert rows["S1"]["alltoallw_GBps"] > 0 and rows["S1"]["chunks_out"] == [2, 1]
+    assert rows["S3"]["chunks_in"] == [1, 2] and rows["S3"]["chunks_out"] == [2, 1]  # 2503 and 1667 do not divide
+    assert "| S1 | 256x256 |" in stdout and "| S3 | 2521x2521 |" in stdout
+
+
+def test_timeline_rechunk_small():
+    stdout = _run(str(BENCH / "timeline_rechunk.py"), "--workers", "2", "--n", "256", "--repeats", "2")
+    stamps = dict(line.rsplit(None, 1) for line in stdout.splitlines() if line and not line.startswith("#"))
+    stamps = {key.strip(): float(value) for key, value in stamps.items()}
+    assert set(stamps) == {"graph", "scheduled", "staged", "exchange first in", "exchange last out", "done",
+                           "exchange (slowest PE)", "trivial graph, done"}, stdout
+    assert all(math.isfinite(v) and v >= 0 for v in stamps.values()), stdout
+    # the stamps after the scheduler has the graph follow the run's steps (each waits for the one before)
+    order = ["scheduled", "staged", "exchange first in", "exchange last out", "done"]
+    assert [stamps[k] for k in order] == sorted(stamps[k] for k in order), stdout
+
+
+@pytest.mark.parametrize("direction", [[], ["--reverse"]], ids=["cols-to-rows", "rows-to-cols"])
+def test_bench_reshape_mpi_small(direction):
+    result = run_mpi(BENCH / "bench_reshape_mpi.py", 2, "--n", "256", "--repeats", "1", *direction, timeout=120)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "(result matches bare Alltoallw: True)" in result.stdout, result.stdout
+    assert "Reshape.execute()" in result.stdout
