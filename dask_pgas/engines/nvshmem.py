@@ -99,9 +99,11 @@ class NVSHMEMSettings:
       bytes of freed blocks the symmetric pool keeps instead of ``nvshmem_free`` (collective).
     * ``heap_limit``: the bytes this engine lets its blocks reach on one PE. NVSHMEM 3.4 ends the process when
       its heap cannot grow (measured on the H200, docs/gpu-validation.md), so the engine refuses, on every PE
-      alike, an allocation that would pass NVSHMEM's cap: ``NVSHMEM_MAX_MEMORY_PER_GPU`` (default 128 GiB; with
-      ``NVSHMEM_DISABLE_CUDA_VMM`` the fixed ``NVSHMEM_SYMMETRIC_SIZE``) less two ``NVSHMEM_CUMEM_GRANULARITY``
-      (default 512 MiB) for NVSHMEM's own blocks and its rounding.
+      alike, an allocation that would pass NVSHMEM's cap: ``NVSHMEM_MAX_MEMORY_PER_GPU`` (default 128 GiB) less
+      two ``NVSHMEM_CUMEM_GRANULARITY`` (default 512 MiB) for NVSHMEM's own blocks and its rounding. A fixed
+      heap (``NVSHMEM_DISABLE_CUDA_VMM``) only returns NULL when full (round 13d: it even holds about 384 MiB
+      more than asked), so there the limit is ``NVSHMEM_SYMMETRIC_SIZE`` itself (default 1 GiB): what the user
+      asked for, and a NULL below it still raises ``MemoryError`` on every PE alike.
     * ``heap_grows`` (not ``NVSHMEM_DISABLE_CUDA_VMM``): the heap maps device memory as it grows, in
       ``granularity`` steps (``NVSHMEM_CUMEM_GRANULARITY``), so a growth needs free device memory on every PE:
       the engine checks it together before each ``nvshmem_malloc`` (see ``NVSHMEMEngine._check_device_memory``).
@@ -137,7 +139,7 @@ class NVSHMEMSettings:
             force_peer=env.get("DASK_PGAS_NVSHMEM_RESHAPE") == "peer",
             empty_via_peer=env.get("DASK_PGAS_EMPTY_VIA_PEER") == "1",
             pool_limit=parse_size(env.get("NVSHMEM_SYMMETRIC_SIZE")) // 4 if not pool else parse_size(pool),
-            heap_limit=cap - 2 * granularity,
+            heap_limit=cap if static else cap - 2 * granularity,
             heap_grows=not static,
             granularity=granularity,
         )
@@ -527,11 +529,13 @@ class NVSHMEMEngine(Engine):
         if self._held() + nbytes > self.settings.heap_limit and self._pool_bytes:
             self._drain_pool()  # every PE drains at the same point (identical pools)
         if self._held() + nbytes > self.settings.heap_limit:
+            why, knob = (("NVSHMEM ends the process past its cap", "NVSHMEM_MAX_MEMORY_PER_GPU")
+                         if self.settings.heap_grows else
+                         ("the heap is fixed (NVSHMEM_DISABLE_CUDA_VMM)", "NVSHMEM_SYMMETRIC_SIZE"))
             raise MemoryError(
-                f"the symmetric heap cannot take {nbytes} more bytes: {self._held()} are allocated and NVSHMEM "
-                f"ends the process past its cap (dask_pgas stops at {self.settings.heap_limit}); raise "
-                "NVSHMEM_MAX_MEMORY_PER_GPU (or NVSHMEM_SYMMETRIC_SIZE with NVSHMEM_DISABLE_CUDA_VMM=1) before "
-                "initialize(), or use smaller pieces"
+                f"the symmetric heap cannot take {nbytes} more bytes: {self._held()} are allocated and {why} "
+                f"(dask_pgas stops at {self.settings.heap_limit}); raise {knob} before initialize(), or use "
+                "smaller pieces"
             )
         self._check_device_memory(nbytes)
         try:

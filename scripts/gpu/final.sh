@@ -26,7 +26,7 @@
 #   large     the rechunk benchmark on 1 worker at 32, 48 and 56 GiB
 #   cpubench  the CPU rechunk benchmark (4 CPU workers, MPI engine) S1 and S3 on this host's 16 cores
 #   p2p       Dask p2p on CuPy chunks without dask_pgas, as released and with the candidate fix
-#   heap      what a full NVSHMEM heap does (probe)
+#   heap      what a full NVSHMEM heap does (probe), growing and fixed
 # Logs go to $OUT/logs.tar.gz (one or more per job, packed at the end: the device tool returns few files); PASS/FAIL
 # lines and the key numbers to $OUT/summary.txt. A step that
 # would start with less than 15 s of BUDGET left is skipped. (Rounds 1-10 of docs/gpu-validation.md name the
@@ -183,8 +183,13 @@ job_heap() {
   for np_ in 1 2; do
     step "heap probe np=$np_" 60 "$OUT/heap.log" env NVSHMEM_SYMMETRIC_SIZE=128m NVSHMEM_MAX_MEMORY_PER_GPU=2g \
       $MPIRUN -n $np_ python3 scripts/gpu/probe_heap_full.py
+    # a fixed heap of NVSHMEM's default 1 GiB: nvshmem_malloc returns NULL when it is full (round 13d), and the
+    # engine's limit is the size asked for
+    echo "--- fixed heap (NVSHMEM_DISABLE_CUDA_VMM=1, NVSHMEM_SYMMETRIC_SIZE=1g), np=$np_" >>"$OUT/heap.log"
+    step "heap probe, fixed 1 GiB heap, np=$np_" 60 "$OUT/heap.log" env NVSHMEM_SYMMETRIC_SIZE=1g \
+      NVSHMEM_DISABLE_CUDA_VMM=1 $MPIRUN -n $np_ python3 scripts/gpu/probe_heap_full.py
   done
-  grep -h "^HEAP" "$OUT/heap.log" >>"$S"
+  grep -h "^HEAP\|^--- fixed" "$OUT/heap.log" >>"$S"
 }
 
 # ---------------------------------------------------------------- main

@@ -414,9 +414,16 @@ def test_heap_cap_refuses_before_the_collective_malloc(monkeypatch):
     assert len([c for c in eng.nv.calls if c[0] == "malloc"]) == mallocs
     eng.free(big)
     eng._drain_pool()
-    # a fixed heap (no CUDA VMM) is capped by NVSHMEM_SYMMETRIC_SIZE instead (4m in _fake_engine)
+    # a fixed heap (no CUDA VMM) returns NULL when full instead: its limit is NVSHMEM_SYMMETRIC_SIZE itself (4m in
+    # _fake_engine), and NVSHMEM's default 1 GiB heap is usable as it is (once a limit of 0: every block refused)
     monkeypatch.setenv("NVSHMEM_DISABLE_CUDA_VMM", "1")
-    assert NVSHMEMSettings.from_env().heap_limit == (4 << 20) - (256 << 10)
+    assert NVSHMEMSettings.from_env().heap_limit == 4 << 20
+    monkeypatch.delenv("NVSHMEM_SYMMETRIC_SIZE")
+    assert NVSHMEMSettings.from_env().heap_limit == 1 << 30
+    eng.settings = NVSHMEMSettings.from_env()
+    with pytest.raises(MemoryError, match=r"fixed \(NVSHMEM_DISABLE_CUDA_VMM\).*raise NVSHMEM_SYMMETRIC_SIZE"):
+        eng.allocate((1 << 30) + 1)
+    eng.free(eng.allocate(1 << 20))
 
 
 def test_device_memory_is_checked_before_the_heap_grows(monkeypatch):
