@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
 import threading
-import time
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from bench_reshape_mpi import timed  # (median of the repeats after one warm-up, max over ranks)
 
 
 def bands(lo: int, hi: int, k: int) -> list[tuple[int, int]]:
@@ -34,16 +38,6 @@ def threaded(fn, k: int) -> None:
         th.start()
     for th in threads:
         th.join()
-
-
-def timed(comm, run, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        run()
-        times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-    return float(np.median(times))
 
 
 def inter(a, b):
