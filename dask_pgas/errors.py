@@ -56,7 +56,12 @@ class CollectiveError(PGASError, RuntimeError):
 
 class CollectiveMismatchError(CollectiveError):
     """Ranks entered different collective calls (or the same call on different objects); raised on every rank of
-    the mismatch instead of pairing the calls' unrelated exchanges."""
+    the mismatch instead of pairing the calls' unrelated exchanges.
+
+    ``calls``: each rank's call, in rank order (None for a rank inside a step of a call), when the calls
+    differ; None when the same call got different arguments."""
+
+    calls: tuple[str | None, ...] | None = None
 
 
 class SymmetricMemoryLeakWarning(ResourceWarning):

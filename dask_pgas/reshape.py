@@ -357,7 +357,7 @@ class Reshape:
         if self._plan is not None:  # free() clears the plan, so a freed object always reaches the agreement
             return
         control = _control_plane()
-        _agree(control, self._freed_error(), f"{self._name}.plan()")
+        self._agree_call(control, self._freed_error(), "plan")
         # the MPI engine builds its plans locally: one rank failing (no memory for its pack buffer) must not leave
         # the others to their next collective; a GPU engine's plan fails on every rank alike, and then so does this
         plan, error = None, None
@@ -409,7 +409,7 @@ class Reshape:
             conformed = self._conform(operand)
         except Exception as exc:  # reported to all ranks, never raised alone
             error = (type(exc), str(exc))
-        _agree(_control_plane(), error, f"{self._name}.reset_operand()")
+        self._agree_call(_control_plane(), error, "reset_operand")
         if self._symmetric and self._package != "numpy":  # known alike on every rank: all exchange, or none
             _check_positions(_control_plane().allgather(_heap_position(operand)))
         self._source, self._operand, self._tracked = operand, conformed, tracked
@@ -465,7 +465,7 @@ class Reshape:
                     result = self._engine.empty(shape, self._spec.dtype, self._package, order)
             except Exception as exc:
                 error = (type(exc), str(exc))
-        _agree(_control_plane(), error, f"{self._name}.execute()", sync)
+        self._agree_call(_control_plane(), error, "execute", sync)
         if self._operand is not self._source:
             np.copyto(self._operand, self._source)  # refresh the conforming copy: in-place updates count
         if self._symmetric:  # collective (agreed inside): after the agreement
@@ -506,12 +506,13 @@ class Reshape:
             del self._results[: -self._POOL]
 
     def free(self) -> None:
-        """Release the plan and the references to the operand (collective once planned). Idempotent.
+        """Release the plan and the references to the operand (collective). Idempotent.
 
-        A planned object's first ``free()`` opens with the agreement that every rank is in it (before
-        :func:`dask_pgas.finalize`); on a mismatch it raises and leaves the object as it was."""
-        if not self._freed and self._plan is not None and self._runtime_error() is None:
-            _agree(_control_plane(), None, f"{self._name}.free()")
+        The first ``free()`` (before :func:`dask_pgas.finalize`) opens with the agreement that every rank is in
+        it, planned or not. On a mismatch it raises; the object is then freed on every rank if every rank was in
+        a call of this object (see :meth:`_agree_call`), else left as it was."""
+        if not self._freed and self._runtime_error() is None:
+            self._agree_call(_control_plane(), None, "free")
         self._results = []
         self._source = self._operand = None
         self._tracked = False
@@ -522,11 +523,51 @@ class Reshape:
             plan, self._plan = self._plan, None
             plan.free()
 
+    def _agree_call(self, control: Any, error: tuple[type[BaseException], str] | None, method: str,
+                    same: tuple[str, Any] | None = None) -> None:
+        """The agreement that opens ``method`` (see :func:`_agree`). When it finds the ranks in different calls,
+        all of them on this object (one rank left a ``with`` block by an exception and is in ``free()`` while
+        the others are in ``execute()``), every rank frees the object right there and raises: every rank has
+        then made one call, so their next collective calls meet again (a later ``free()`` does nothing)."""
+        try:
+            _agree(control, error, f"{self._name}.{method}()", same)
+        except errors.CollectiveMismatchError as exc:
+            prefix = f"{self._name}."
+            if exc.calls and all(c is not None and c.startswith(prefix) for c in exc.calls):
+                self._free_out_of_step(control)  # the same decision on every rank: each sees every call
+                exc.args = (f"{exc.args[0]}; {self._name} is freed on every rank",)
+            raise
+
+    def _free_out_of_step(self, control: Any) -> None:
+        """Collective (every rank, after the same mismatch): free this object without an opening agreement. The
+        plan is freed where every rank holds one (planning ends alike on every rank); otherwise it is dropped."""
+        planned = control.allgather(self._plan is not None)
+        plan, self._plan = self._plan, None
+        self._results, self._source, self._operand, self._tracked = [], None, None, False
+        self._freed = True
+        if plan is not None:
+            if all(planned):
+                plan.free()
+            else:  # not seen: a GPU engine's plan free is collective, and the ranks do not all hold one
+                _log.warning("dask_pgas: %s was planned on ranks %s only; its plan is dropped, not freed",
+                               self._name, [r for r, p in enumerate(planned) if p])
+
     def __enter__(self) -> Reshape:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.free()
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is None:
+            self.free()
+            return
+        # leaving by an exception: the peers may be in another call of this object; free() then meets them,
+        # frees the object on every rank and raises there, and this rank's own exception goes on, with a note
+        try:
+            self.free()
+        except errors.CollectiveMismatchError as mismatch:
+            if not self._freed:
+                raise
+            if hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note(f"dask_pgas: leaving the with block of {self._name}: {mismatch}")
 
 
 def reshape(

@@ -77,10 +77,12 @@ def _check_calls(everything: list[tuple[str | None, tuple[str, Any] | None, str 
             f"rank {r}: {c or 'a step inside a collective call'}" + (f" (which failed there: {e})" if e else "")
             for r, (c, _, e) in enumerate(everything)
         )
-        raise CollectiveMismatchError(
+        mismatch = CollectiveMismatchError(
             f"ranks are in different collective calls ({by_rank}); every rank must make the same collective "
             "calls, on the same objects, in the same order"
         )
+        mismatch.calls = tuple(c for c, _, _ in everything)
+        raise mismatch
     # a rank whose local step failed may have no value to compare (its error is what every rank raises then)
     if len({repr(s) for _, s, e in everything if not e}) > 1:
         label = next(s[0] for _, s, _ in everything if s is not None)

@@ -17,7 +17,7 @@ import numpy as np
 from _common import COMM, RANK, SIZE, initialize, options, outcome_of, report_case, report_ok
 
 import dask_pgas
-from dask_pgas import Reshape, ReshapeOptions
+from dask_pgas import Reshape, ReshapeOptions, errors
 from dask_pgas.distribution import Box
 from dask_pgas.reshape import reshape
 
@@ -218,7 +218,37 @@ def plan_after_free_on_one_rank():
         r.free()
 
 
-case("plan after free() on one rank", plan_after_free_on_one_rank, "RuntimeStateError")
+case("plan after free() on one rank", plan_after_free_on_one_rank, "CollectiveMismatchError")
+
+
+def exception_inside_with_on_one_rank(planned_first):
+    """A rank leaves a ``with Reshape`` block by its own exception while the others go on to the next call of
+    the object: its ``free()`` meets their call, the object is freed on every rank, every rank has made one call,
+    and the next collective call meets on every rank (the harness's valid reshape after the case)."""
+    try:
+        with Reshape(piece(col()), col(), row()) as r:
+            if planned_first:
+                r.plan()
+            if RANK == 1:
+                raise KeyError("an error of the user's code on rank 1")
+            if not planned_first:
+                r.plan()
+            r.execute()
+    except KeyError as exc:  # rank 1: its own error comes through, with a note on what the others were doing
+        assert RANK == 1, exc
+        notes = getattr(exc, "__notes__", None)
+        assert notes is None or any(f"{r._name}.free()" in n and "is freed on every rank" in n for n in notes), notes
+    except errors.CollectiveMismatchError as exc:  # the others: rank 1 is in free()
+        assert RANK != 1 and f"rank 1: {r._name}.free()" in str(exc) and "is freed on every rank" in str(exc), exc
+    else:
+        raise AssertionError("no exception on this rank")
+    assert r._freed
+    r.free()  # does nothing now, on every rank
+
+
+case("an exception inside `with Reshape` on one rank, after plan()", lambda: exception_inside_with_on_one_rank(True))
+case("an exception inside `with Reshape` on one rank, before plan()",
+     lambda: exception_inside_with_on_one_rank(False))
 
 
 def plan_twice_on_one_rank():
