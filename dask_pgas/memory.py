@@ -245,15 +245,22 @@ def _lookup(array: Any) -> tuple[_Record | None, str | None]:
         return None, "this array was already freed (double free)"
     if package_of(array) is None:
         return None, f"expected an array returned by allocate_symmetric_memory, got {type(array).__name__}"
-    info = array_info(array)
+    rec = _record_at(array_info(array).ptr)
+    if rec is not None:
+        return None, (
+            f"the array is a view of symmetric memory ({rec.desc}); free the array that "
+            "allocate_symmetric_memory returned"
+        )
+    return None, "the array was not allocated by dask_pgas.allocate_symmetric_memory"
+
+
+def _record_at(ptr: int) -> _Record | None:
+    """The live (non-empty) allocation whose memory holds address ``ptr``, or None. Local."""
     for rec in _live.values():
         lo = rec.allocation.ptr
-        if rec.allocation.nbytes and lo <= info.ptr < lo + rec.allocation.nbytes:
-            return None, (
-                f"the array is a view of symmetric memory ({rec.desc}); free the array that "
-                "allocate_symmetric_memory returned"
-            )
-    return None, "the array was not allocated by dask_pgas.allocate_symmetric_memory"
+        if rec.allocation.nbytes and lo <= ptr < lo + rec.allocation.nbytes:
+            return rec
+    return None
 
 
 def _heap_position(array: Any) -> tuple[int, int] | None:
@@ -266,13 +273,9 @@ def _heap_position(array: Any) -> tuple[int, int] | None:
         return None
     if not info.nbytes:
         return None
-    ptr = info.ptr
     with _lock:
-        for rec in _live.values():
-            lo = rec.allocation.ptr
-            if lo <= ptr < lo + max(rec.allocation.nbytes, 1):
-                return rec.number, ptr - lo
-    return None
+        rec = _record_at(info.ptr)
+    return None if rec is None else (rec.number, info.ptr - rec.allocation.ptr)
 
 
 def is_symmetric_memory(array: Any) -> bool:

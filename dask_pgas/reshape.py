@@ -513,6 +513,11 @@ class Reshape:
         a call of this object (see :meth:`_agree_call`), else left as it was."""
         if not self._freed and self._runtime_error() is None:
             self._agree_call(_control_plane(), None, "free")
+        self._release()
+
+    def _release(self) -> None:
+        """``free()`` after its agreement: drop the references; free the plan once (collective on a GPU engine,
+        and every rank holds one or none: planning agrees on its outcome)."""
         self._results = []
         self._source = self._operand = None
         self._tracked = False
@@ -534,23 +539,9 @@ class Reshape:
         except errors.CollectiveMismatchError as exc:
             prefix = f"{self._name}."
             if exc.calls and all(c is not None and c.startswith(prefix) for c in exc.calls):
-                self._free_out_of_step(control)  # the same decision on every rank: each sees every call
+                self._release()  # the same decision on every rank: each sees every call
                 exc.args = (f"{exc.args[0]}; {self._name} is freed on every rank",)
             raise
-
-    def _free_out_of_step(self, control: Any) -> None:
-        """Collective (every rank, after the same mismatch): free this object without an opening agreement. The
-        plan is freed where every rank holds one (planning ends alike on every rank); otherwise it is dropped."""
-        planned = control.allgather(self._plan is not None)
-        plan, self._plan = self._plan, None
-        self._results, self._source, self._operand, self._tracked = [], None, None, False
-        self._freed = True
-        if plan is not None:
-            if all(planned):
-                plan.free()
-            else:  # not seen: a GPU engine's plan free is collective, and the ranks do not all hold one
-                _log.warning("dask_pgas: %s was planned on ranks %s only; its plan is dropped, not freed",
-                               self._name, [r for r, p in enumerate(planned) if p])
 
     def __enter__(self) -> Reshape:
         return self
