@@ -6,7 +6,9 @@
     python benchmarks/bench_rechunk.py --scenarios S1 --rounds 3    # methods take turns: fairer on a noisy box
 
 Times are end to end: ``y = x.rechunk(chunks, method=m).persist(); wait(y)`` including graph construction,
-on a persisted input, median of ``--repeats`` after one warm-up. GB/s = array bytes / time.
+on a persisted input, median of ``--repeats`` after one warm-up. GB/s = array bytes / time. S1 and S3 also
+measure, in every round, a floor no rechunk on these workers can beat (one copy pass over the bytes plus Dask's
+round trip for a trivial graph), and so the most any rechunk could show against the best peer in that round.
 """
 
 from __future__ import annotations
@@ -73,10 +75,46 @@ def time_method(client, x, chunks, method: str, repeats: int, device_sync: bool 
     return timed_persist(client, make, repeats, device_sync=device_sync, warmup=True)
 
 
-def scenario(client, name: str, shape, chunks_in, chunks_out, methods, repeats, check=True, rounds=1) -> dict:
+def _copy_share(nbytes: int, start_at: float) -> float:
+    """On a worker: seconds for one copy of ``nbytes`` between two already-touched buffers, started at the wall
+    clock time ``start_at`` (one host, so every worker copies at the same moment)."""
+    import time
+
+    import numpy as np
+
+    src = np.ones(nbytes // 8)
+    dst = np.empty_like(src)
+    dst[...] = src  # touch every page first: pgas writes into recycled (already touched) output blocks
+    time.sleep(max(start_at - time.time(), 0.0))
+    t0 = time.perf_counter()
+    dst[...] = src
+    return time.perf_counter() - t0
+
+
+def floor_seconds(client, x, repeats: int) -> dict:
+    """What no Dask rechunk of ``x`` on these workers can beat, measured now: one copy pass over the bytes with
+    every worker copying its share at once (each element is written to its new place at least once), and Dask's
+    round trip for a graph of one tiny task per chunk (``persist`` to ``wait`` returning)."""
+    import time
+
+    from dask_pgas.cli import timed_persist
+
+    workers = list(client.scheduler_info()["workers"])
+    share = x.nbytes // len(workers)
+    copies = []
+    for _ in range(repeats):
+        start_at = time.time() + 0.2
+        copies.append(max(client.run(_copy_share, share, start_at).values()))
+    trip, _ = timed_persist(client, lambda: x.map_blocks(lambda c: c[:1, :1], chunks=(1,) * x.ndim), repeats,
+                            warmup=True)
+    return {"copy": statistics.median(copies), "round_trip": trip}
+
+
+def scenario(client, name: str, shape, chunks_in, chunks_out, methods, repeats, check=True, rounds=1,
+             floor=False) -> dict:
     """Forward and back times of every method. With ``rounds`` > 1 the methods take turns (pgas, tasks, p2p,
     pgas, ...) so a box that slows down or speeds up mid-run weighs on all of them alike; each figure is then
-    the median of the rounds' medians."""
+    the median of the rounds' medians. With ``floor``, each round also measures :func:`floor_seconds`."""
     import dask.array as da
     import numpy as np
     from distributed import wait
@@ -87,7 +125,10 @@ def scenario(client, name: str, shape, chunks_in, chunks_out, methods, repeats, 
     row = {"scenario": name, "shape": list(shape), "bytes": nbytes,
            "chunks_in": [len(c) for c in x.chunks], "chunks_out": None}
     times: dict = {m: ([], []) for m in methods}
+    floors = []
     for i in range(rounds):
+        if floor:
+            floors.append(floor_seconds(client, x, repeats))
         for method in methods:
             if f"{method}_error" in row:
                 continue
@@ -108,6 +149,14 @@ def scenario(client, name: str, shape, chunks_in, chunks_out, methods, repeats, 
         row["pgas_over_best_peer_by_round"] = [
             min(p[i] for p in peers) / t for i, t in enumerate(times["pgas"][0]) if all(len(p) > i for p in peers)
         ]
+        # each round's bound on that ratio: its best peer over the least any rechunk could take in that round
+        row["best_peer_over_floor_by_round"] = [
+            min(p[i] for p in peers) / (f["copy"] + f["round_trip"]) for i, f in enumerate(floors)
+            if all(len(p) > i for p in peers)
+        ]
+    if floors:
+        row["floor_copy_s"] = statistics.median(f["copy"] for f in floors)
+        row["floor_round_trip_s"] = statistics.median(f["round_trip"] for f in floors)
     for method, (fwds, backs) in times.items():
         if f"{method}_error" in row:
             continue
@@ -161,14 +210,15 @@ def main() -> None:
                     per = {"S1-1MiB": 2**20, "S1-16MiB": 2**24}[name]
                     n = int((per * p / 8) ** 0.5) // p * p
                 b = n // p
-                row = scenario(client, name, (n, n), (n, b), (b, n), methods, args.repeats, rounds=args.rounds)
+                row = scenario(client, name, (n, n), (n, b), (b, n), methods, args.repeats, rounds=args.rounds,
+                               floor=True)
                 if "pgas" in methods:
                     t = bare_alltoallw(n, p, args.repeats)
                     row["alltoallw_GBps"] = n * n * 8 / t / 1e9
             elif name == "S3":
                 n = args.s3_n  # prime; chunk sizes that do not divide it
                 row = scenario(client, name, (n, n), (n, 2503), (1667, n), methods, args.repeats,
-                               rounds=args.rounds)
+                               rounds=args.rounds, floor=True)
             elif name == "S4":
                 n = args.s4_n
                 row = scenario(client, name, (n, n), (128, 128), (-(-n // p), n), methods,
@@ -196,11 +246,21 @@ def main() -> None:
               f"{ratio} | {f'{a2a:.2f}' if a2a else '-'} | "
               f"{pct} | {ceiling} |")
     for r in rows:
-        if len(r.get("pgas_over_best_peer_by_round", [])) > 1:
-            by_round = r["pgas_over_best_peer_by_round"]
+        if "floor_copy_s" in r:
+            pgas = f"; pgas forward {1e3 * r['pgas_fwd_s']:.0f} ms" if "pgas_fwd_s" in r else ""
+            print(f"{r['scenario']}: floor {1e3 * (r['floor_copy_s'] + r['floor_round_trip_s']):.0f} ms = one copy "
+                  f"pass {1e3 * r['floor_copy_s']:.0f} ms (every worker its share at once) + Dask round trip "
+                  f"{1e3 * r['floor_round_trip_s']:.0f} ms{pgas}")
+        by_round = r.get("pgas_over_best_peer_by_round", [])
+        bounds = r.get("best_peer_over_floor_by_round", [])
+        if by_round:
             print(f"{r['scenario']}: pgas / best peer by round (forward): "
                   f"{' '.join(f'{v:.1f}x' for v in by_round)}; at least 5x in {sum(v >= 5 for v in by_round)} "
                   f"of {len(by_round)}")
+        if bounds:
+            print(f"{r['scenario']}: the most any rechunk could reach (best peer / floor) by round: "
+                  f"{' '.join(f'{v:.1f}x' for v in bounds)}; at least 5x in {sum(v >= 5 for v in bounds)} "
+                  f"of {len(bounds)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -7,7 +7,8 @@ so one wall clock for every process):
   * ``graph``: the rechunk's graph is built and sent (``persist`` returns),
   * ``scheduled``: the scheduler moved the first task to waiting (it received and ordered the graph),
   * ``staged``: the last transfer task is in memory (every PE has staged its input: the collective may start),
-  * ``exchange``: the first PE enters the collective, and the last leaves it (``dask_pgas.world(detail=True)``),
+  * ``exchange``: the first and the last PE enter the collective, and the first and the last leave it
+    (``dask_pgas.world(detail=True)``),
   * ``done``: ``wait`` returned on the client.
 Beside it, on the same cluster: a persist of a trivial graph of one tiny task per input chunk (Dask's own floor
 for a round trip through the scheduler and the workers). Medians over the repeats.
@@ -78,7 +79,8 @@ def main() -> None:
                 rows.append({
                     "graph": ms(t1), "scheduled": ms(first) if first else float("nan"),
                     "staged": ms(staged) if staged else float("nan"),
-                    "exchange first in": ms(min(starts)), "exchange last out": ms(max(ends)),
+                    "exchange first in": ms(min(starts)), "exchange last in": ms(max(starts)),
+                    "exchange first out": ms(min(ends)), "exchange last out": ms(max(ends)),
                     "done": ms(t2), "exchange (slowest PE)": max(t["execute"] for t in timings) * 1e3,
                     "trivial graph, done": (t4 - t3) * 1e3,
                 })

@@ -37,17 +37,24 @@ def test_bench_rechunk_small(tmp_path):
     assert rows["S1"]["alltoallw_GBps"] > 0 and rows["S1"]["chunks_out"] == [2, 1]
     assert rows["S3"]["chunks_in"] == [1, 2] and rows["S3"]["chunks_out"] == [2, 1]  # 2503 and 1667 do not divide
     assert "| S1 | 256x256 |" in stdout and "| S3 | 2521x2521 |" in stdout
+    for row in rows.values():  # the floor no rechunk can beat, and the bound it sets on the ratio
+        assert 0 < row["floor_copy_s"] and 0 < row["floor_round_trip_s"], row
+        assert len(row["best_peer_over_floor_by_round"]) == 1 and row["best_peer_over_floor_by_round"][0] > 0
+    assert "S1: floor " in stdout and "S1: the most any rechunk could reach" in stdout
 
 
 def test_timeline_rechunk_small():
     stdout = _run(str(BENCH / "timeline_rechunk.py"), "--workers", "2", "--n", "256", "--repeats", "2")
     stamps = dict(line.rsplit(None, 1) for line in stdout.splitlines() if line and not line.startswith("#"))
     stamps = {key.strip(): float(value) for key, value in stamps.items()}
-    assert set(stamps) == {"graph", "scheduled", "staged", "exchange first in", "exchange last out", "done",
-                           "exchange (slowest PE)", "trivial graph, done"}, stdout
+    assert set(stamps) == {"graph", "scheduled", "staged", "exchange first in", "exchange last in",
+                           "exchange first out", "exchange last out", "done", "exchange (slowest PE)",
+                           "trivial graph, done"}, stdout
     assert all(math.isfinite(v) and v >= 0 for v in stamps.values()), stdout
     # the stamps after the scheduler has the graph follow the run's steps (each waits for the one before)
     order = ["scheduled", "staged", "exchange first in", "exchange last out", "done"]
+    assert stamps["exchange first in"] <= stamps["exchange last in"] <= stamps["exchange last out"], stdout
+    assert stamps["exchange first out"] <= stamps["exchange last out"], stdout
     assert [stamps[k] for k in order] == sorted(stamps[k] for k in order), stdout
 
 
