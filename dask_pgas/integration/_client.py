@@ -66,9 +66,16 @@ def bootstrap(client=None, *, backends=None, timeout=None) -> World:
     Registers the scheduler and worker plugins (idempotent, so several clients may call this), then, unless
     an intact world exists already, orders the workers by MPI rank and initializes the runtime on each (on its
     collective thread): a workers-only MPI communicator, or an NVSHMEM unique id handed out by the scheduler
-    when the workers are not one MPI job. Returns the :class:`World`.
+    when the workers are not one MPI job. ``backends`` and ``timeout`` default to config ``pgas.backends`` and
+    ``pgas.bootstrap-timeout`` of this process, else of the scheduler. Returns the :class:`World`.
     """
+    import dask
+
     client = _client(client)
+    if backends is None:  # this process's config first (a key set with dask.config.set here), else the scheduler's
+        backends = dask.config.get("pgas.backends", None)
+    if timeout is None:
+        timeout = dask.config.get("pgas.bootstrap-timeout", None)
     client.register_plugin(PGASSchedulerPlugin())
     client.register_plugin(PGASWorkerPlugin())
     result = client.sync(client.scheduler.pgas_bootstrap, backends=backends, timeout=timeout)
@@ -83,17 +90,41 @@ def bootstrap(client=None, *, backends=None, timeout=None) -> World:
     return _world_from(result)
 
 
+_SCHEDULERS_WITH_PLUGIN: set[str] = set()  # addresses of schedulers seen with the dask_pgas plugin
+
+
+def _has_world_handler(dask_scheduler=None) -> bool:
+    return "pgas_world" in dask_scheduler.handlers
+
+
+def scheduler_world(client, **kwargs: Any) -> dict | None:
+    """The scheduler plugin's description of the world (``describe_world``), or None when the scheduler has no
+    dask_pgas plugin (:func:`bootstrap` never ran there). A scheduler not yet seen with the plugin is asked
+    first whether it has one, so that a never-bootstrapped scheduler logs no missing-handler traceback."""
+    address = client.scheduler.address
+    if address not in _SCHEDULERS_WITH_PLUGIN:
+        try:
+            has = client.run_on_scheduler(_has_world_handler)
+        except Exception:  # cannot tell (a scheduler refusing pickled functions): ask the handler itself
+            has = True
+        if not has:
+            return None
+        _SCHEDULERS_WITH_PLUGIN.add(address)
+    try:
+        d = client.sync(client.scheduler.pgas_world, **kwargs)
+    except Exception:
+        return None
+    return d if isinstance(d, dict) else None  # (a scheduler without the handler answers None)
+
+
 def world(client=None, *, detail: bool = False) -> World | None:
     """The cluster's PGAS world (PE <-> worker), or None before :func:`bootstrap`.
 
     With ``detail`` every member also reports its symmetric heap use, runs and collective time.
     """
     client = _client(client)
-    try:
-        d = client.sync(client.scheduler.pgas_world, detail=detail)
-    except Exception:
-        return None
-    if not isinstance(d, dict):  # no ``pgas_world`` handler on the scheduler: never bootstrapped
+    d = scheduler_world(client, detail=detail)
+    if d is None:
         return None
     if not d["workers"] and not d["broken"]:
         return None

@@ -12,10 +12,15 @@ killed; its temporary directory (logs, scheduler file, worker spill space) is re
 (``cluster.logs()`` keeps working: it returns what the logs held at close).
 GPU workers (``gpus=N``) get no host memory limit by default (``memory_limit=None``): Dask sizes CuPy chunks as
 if they were host memory and would spill or pause on device bytes; CPU workers default to ``"auto"``.
+The scheduler and the workers start with the Dask config of the process that makes the cluster, as a Nanny's
+worker or an ``SSHCluster`` does (``DASK_INTERNAL_INHERIT_CONFIG``): ``pgas.*`` keys set with
+``dask.config.set`` before the cluster starts apply there; ``DASK_*`` variables (in ``env`` or the
+environment) win over it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -151,8 +156,21 @@ def _watch(ref: weakref.ref, stop: threading.Event, lock: threading.RLock) -> No
                 del cluster  # (the cluster's finalizer may run here, in this thread, once the lock is released)
 
 
+def _inherited_config() -> dict[str, str]:
+    """The variable that hands this process's Dask config to the cluster's processes (only the ``pgas`` keys
+    when the rest holds values JSON cannot carry)."""
+    import dask
+
+    for config in (dask.config.global_config, {"pgas": dask.config.get("pgas", {})}):
+        try:
+            return {"DASK_INTERNAL_INHERIT_CONFIG": dask.config.serialize(config)}
+        except (TypeError, ValueError):
+            continue
+    return {}
+
+
 class _Done:
-    """``close()`` result that also works with ``await`` (``Client.shutdown`` awaits ``cluster.close()``)."""
+    """``close()``'s result inside an event loop: ``Client.shutdown`` awaits ``cluster.close()``."""
 
     def __await__(self):
         return iter(())
@@ -188,7 +206,7 @@ class LocalMPICluster:
         self._closed_logs: str | None = None
         self._dir = tempfile.mkdtemp(prefix="dask-pgas-cluster-")
         self.scheduler_file = os.path.join(self._dir, "scheduler.json")
-        self._env = {**os.environ, **(env or {})}
+        self._env = {**os.environ, **_inherited_config(), **(env or {})}
         self._env.setdefault("PYTHONUNBUFFERED", "1")
         self._env[_orphan_guard.ENV] = str(os.getpid())  # scheduler and workers exit if this process dies
         if memory_limit is None:  # Dask counts CuPy chunks as host memory: no host limit to spill them by
@@ -344,11 +362,20 @@ class LocalMPICluster:
         return pids
 
     # ------------------------------------------------------------------ closing
-    def close(self, timeout: float = 30.0) -> _Done:
+    def close(self, timeout: float = 30.0) -> None:
         """Tear the world down, shut the scheduler and workers down, kill what is left and remove the temporary
-        directory. Interrupted (Ctrl-C), it still kills every process; closing again is a no-op."""
+        directory. Interrupted (Ctrl-C), it still kills every process; closing again is a no-op. (Called from a
+        coroutine, as ``Client.shutdown`` does, it returns an awaitable that is already done.)"""
+        self._close(timeout)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return None
+        return _Done()
+
+    def _close(self, timeout: float) -> None:
         if self.status == Status.closed:
-            return _Done()
+            return
         self.status = Status.closing
         try:
             with self._lock:  # the watcher starts no new worker job from here on
@@ -370,7 +397,6 @@ class LocalMPICluster:
             finally:
                 self._finalizer()
                 self.status = Status.closed
-        return _Done()
 
     def _shutdown(self) -> None:
         """Tear an intact world down (collectively) and shut the scheduler and workers down, through a client

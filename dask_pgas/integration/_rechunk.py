@@ -40,6 +40,7 @@ from typing import Any
 import dask
 import numpy as np
 
+from ._client import scheduler_world
 from ._exceptions import PGASRechunkUnsupported
 from ._worker_plugin import RunSpec
 
@@ -116,9 +117,8 @@ def _world(client, x=None) -> dict | None:
             known = _owners.get(x.name)
         if known is None and x.npartitions <= 200_000:
             keys = list(dask.core.flatten(x.__dask_keys__()))
-    try:
-        world = client.sync(client.scheduler.pgas_world, keys=keys)
-    except Exception:  # the scheduler plugin is not registered
+    world = scheduler_world(client, keys=keys)
+    if world is None:  # no dask_pgas plugin on the scheduler: never bootstrapped
         return None
     if x is not None:
         if known is not None:

@@ -234,9 +234,49 @@ def test_close_without_a_world_is_quick():
         with Client(cluster) as client:
             assert dask_pgas.world(client) is None
         t0 = time.monotonic()
-        cluster.close()
+        assert cluster.close() is None  # (a notebook cell ending with it shows nothing)
         assert time.monotonic() - t0 < 10
         assert [p.returncode for p in cluster._procs] == [0, 0]  # exited, not killed
+    finally:
+        assert cluster.close() is None
+        assert not _processes_end(pids)
+
+
+def test_cluster_processes_inherit_the_callers_config():
+    """``pgas.*`` keys set with ``dask.config.set`` before the cluster starts reach the scheduler (which reads
+    the timeouts) and the workers (plan cache, buffers); a ``DASK_*`` variable in ``env`` wins; ``bootstrap``
+    takes ``pgas.backends`` from the caller's config."""
+    import dask
+    from distributed import Client
+
+    def keys(dask_scheduler=None):
+        return dask.config.get("pgas.collective-timeout"), dask.config.get("pgas.plan-cache-size")
+
+    with dask.config.set({"pgas.collective-timeout": "77s", "pgas.plan-cache-size": 3}):
+        cluster = dask_pgas.LocalMPICluster(n_workers=2, bootstrap=False,
+                                            env={"DASK_PGAS__PLAN_CACHE_SIZE": "5"})
+    with cluster, Client(cluster) as client:
+        assert client.run_on_scheduler(keys) == ("77s", 5)
+        assert list(client.run(keys).values()) == [("77s", 5)] * 2
+        # bootstrap reads pgas.backends where it is called (the scheduler's config has none)
+        with dask.config.set({"pgas.backends": ["no-such-engine"]}), \
+                pytest.raises(PGASWorldError, match="no-such-engine"):
+            dask_pgas.bootstrap(client)
+        assert dask_pgas.bootstrap(client).backends == ("mpi",)
+
+
+def test_client_shutdown_closes_the_cluster():
+    """``Client.shutdown()`` awaits ``cluster.close()`` inside the client's event loop."""
+    import dask
+    from distributed import Client
+
+    cluster = dask_pgas.LocalMPICluster(n_workers=1, bootstrap=False)
+    pids = cluster.worker_pids() + [p.pid for p in cluster._procs]
+    try:  # (Client.shutdown() leaves the client's scheduler setting in dask.config: restored for later tests)
+        with dask.config.set(scheduler=dask.config.get("scheduler", None)):
+            client = Client(cluster)
+            client.shutdown()
+        assert cluster.status.name == "closed"
     finally:
         cluster.close()
         assert not _processes_end(pids)
@@ -378,3 +418,26 @@ def test_non_mpi_workers_without_nvshmem_get_a_clear_error():
             dask_pgas.rechunk(x, (10, 40))
         with dask.config.set({"pgas.fallback": "tasks"}):
             np.testing.assert_array_equal(dask_pgas.rechunk(x, (10, 40)).compute(), np.ones((40, 40)))
+
+
+def test_never_bootstrapped_cluster_follows_fallback(caplog):
+    """A cluster whose scheduler never had the dask_pgas plugin (bootstrap not called): rechunk raises the
+    documented error (it crashed with an AttributeError) or follows pgas.fallback, world() is None, and the
+    scheduler logs no missing-handler traceback."""
+    import logging
+
+    import dask
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client, caplog.at_level(logging.WARNING):
+        x = da.arange(1600, chunks=400).reshape(40, 40).rechunk((40, 10)).persist()
+        assert dask_pgas.world(client) is None
+        with pytest.raises(PGASRechunkUnsupported, match=r"no PGAS world.*bootstrap\(client\)"):
+            dask_pgas.rechunk(x, (10, 40))
+        for fallback in ("tasks", "p2p"):
+            with dask.config.set({"pgas.fallback": fallback}):
+                y = dask_pgas.rechunk(x, (10, 40))
+                assert y.chunks == ((10,) * 4, (40,))
+                np.testing.assert_array_equal(y.compute(), np.arange(1600).reshape(40, 40))
+    assert not [r for r in caplog.records if "pgas_world" in r.getMessage() or "No handler" in r.getMessage()]
