@@ -51,6 +51,11 @@ __all__ = [
 # The Dask integration, loaded on first use (importing dask_pgas stays free of distributed and never patches
 # Dask): dask_pgas.bootstrap / world / teardown / rechunk / install / uninstall / LocalMPICluster.
 _INTEGRATION = ("LocalMPICluster", "World", "bootstrap", "install", "rechunk", "teardown", "uninstall", "world")
+__all__ += _INTEGRATION  # (``from dask_pgas import *`` loads them)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_INTEGRATION})
 
 
 def __getattr__(name: str):

@@ -31,7 +31,9 @@ def wait_forgotten(client, keys: list) -> None:
     deadline = time.monotonic() + 60
     while any(client.sync(client.scheduler.who_has, keys=keys).values()):
         if time.monotonic() > deadline:  # a rerun would reuse them and time nothing
-            raise TimeoutError(f"the scheduler still holds {len(keys)} keys of the previous repetition after 60 s")
+            raise TimeoutError(f"the scheduler still holds {len(keys)} keys of the previous repetition after 60 s "
+                               "(is something else holding them? a rechunk that changes nothing returns its input, "
+                               "whose keys stay: there is nothing to time)")
         time.sleep(0.01)
 
 
@@ -186,7 +188,7 @@ def _at_least(minimum: int, parse, what: str, unit: str = ""):
             n = parse(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
-        if n < minimum:
+        if not n >= minimum:  # (NaN too)
             raise argparse.ArgumentTypeError(f"must be at least {minimum}{unit}, got {text!r}")
         return n
 
@@ -195,6 +197,7 @@ def _at_least(minimum: int, parse, what: str, unit: str = ""):
 
 _size = _at_least(8, parse_bytes, "a size (e.g. 64MiB, 1GiB)", " bytes")
 _positive = _at_least(1, int, "an integer")
+_seconds = _at_least(1, float, "a number of seconds", " s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=demo)
     w = sub.add_parser("world", help="bootstrap and show the PGAS world of a running cluster")
     w.add_argument("--scheduler-file", required=True)
-    w.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the scheduler (default 30)")
+    w.add_argument("--timeout", type=_seconds, default=30.0, help="seconds to wait for the scheduler (default 30)")
     w.set_defaults(func=show_world)
     args = parser.parse_args(argv)
     if args.command == "world" and not os.path.exists(args.scheduler_file):

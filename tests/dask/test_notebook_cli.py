@@ -30,6 +30,27 @@ def test_notebook_runs(monkeypatch):
         assert re.search(rf"^{method}\s+[\d.]+ GB/s", text, re.M), text
 
 
+def test_readme_snippets_run(tmp_path):
+    """README's "Use" code as written: the Dask snippet (its own 4-worker cluster) and the PGAS core snippet on 2
+    MPI ranks."""
+    from ..mpirun import run_mpi
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        dask_snippet, core_snippet = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    (tmp_path / "readme_dask.py").write_text(dask_snippet)
+    out = subprocess.run([sys.executable, str(tmp_path / "readme_dask.py")], capture_output=True, text=True,
+                         timeout=240, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "PE 3: tcp://" in out.stdout and "Traceback" not in out.stderr
+    done = tmp_path / "done"
+    (tmp_path / "readme_core.py").write_text(
+        core_snippet + f"open({str(done)!r} + str(rank), 'w').write(repr(b.tolist()))\n")
+    result = run_mpi(tmp_path / "readme_core.py", 2, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in (0, 1):  # rows 4*rank .. 4*rank+4 of the 8 x 4 array whose column pair j holds rank j
+        assert (tmp_path / f"done{rank}").read_text() == repr([[0.0, 0.0, 1.0, 1.0]] * 4)
+
+
 def test_demo_main_job():
     out = subprocess.run(
         [sys.executable, "-m", "dask_pgas.cli", "demo", "--size", "16MiB", "--workers", "2", "--repeats", "1",
@@ -69,6 +90,8 @@ def test_timer_raises_for_a_failed_method():
     (["demo", "--workers", "0"], "must be at least 1"),
     (["demo", "--workers", "-1"], "must be at least 1"),
     (["world", "--scheduler-file", "/nonexistent/scheduler.json"], "no scheduler file"),
+    (["world", "--timeout", "-1", "--scheduler-file", "s.json"], "must be at least 1 s"),
+    (["world", "--timeout", "nan", "--scheduler-file", "s.json"], "must be at least 1 s"),
 ])
 def test_cli_refuses_bad_arguments_before_starting_anything(args, message, capsys):
     """Bad arguments exit with argparse's usage error (2), before a cluster starts; a missing scheduler file

@@ -21,6 +21,26 @@ def test_public_names():
     assert callable(dask_pgas.reshape.reshape) and dask_pgas.distribution.Box is dask_pgas.Box
 
 
+def test_integration_names_are_listed_but_loaded_on_first_use():
+    """``dir()``, tab completion and ``import *`` show the Dask integration; a bare import still loads no
+    distributed (a fresh interpreter: this one may have loaded it already)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, dask_pgas\n"
+        "assert 'distributed' not in sys.modules\n"
+        "names = ('LocalMPICluster', 'World', 'bootstrap', 'install', 'rechunk', 'teardown', 'uninstall', 'world')\n"
+        "assert set(names) <= set(dir(dask_pgas)) and set(names) <= set(dask_pgas.__all__)\n"
+        "assert 'distributed' not in sys.modules\n"
+        "ns = {}\n"
+        "exec('from dask_pgas import *', ns)\n"
+        "assert ns['rechunk'] is dask_pgas.rechunk and ns['Reshape'] is dask_pgas.Reshape\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
 def test_errors_are_builtin_subclasses_and_pickle():
     for cls, base in [(errors.DistributionError, ValueError), (errors.NotInitializedError, RuntimeError),
                       (errors.UnsupportedOperandError, TypeError), (errors.SymmetricMemoryError, ValueError),
