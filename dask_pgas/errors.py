@@ -15,6 +15,8 @@ __all__ = [
     "DistributionError",
     "NotInitializedError",
     "PGASError",
+    "PGASRechunkUnsupported",
+    "PGASWorldError",
     "RuntimeStateError",
     "SymmetricMemoryError",
     "SymmetricMemoryLeakWarning",
@@ -70,3 +72,14 @@ class SymmetricMemoryLeakWarning(ResourceWarning):
 
 def warn_leak(message: str) -> None:
     warnings.warn(message, SymmetricMemoryLeakWarning, stacklevel=3)
+
+
+# -- the Dask integration's
+
+
+class PGASWorldError(CollectiveError):
+    """The cluster has no usable PGAS world: never bootstrapped, a member left, or a collective failed."""
+
+
+class PGASRechunkUnsupported(PGASError, NotImplementedError):
+    """A rechunk the collective path cannot do (and config ``pgas.fallback`` is ``"raise"``)."""

@@ -13,9 +13,9 @@ import yaml
 with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "pgas.yaml")) as _f:
     dask.config.update_defaults(yaml.safe_load(_f))
 
+from ..errors import PGASRechunkUnsupported, PGASWorldError
 from ._client import World, bootstrap, teardown, world
 from ._cluster import LocalMPICluster
-from ._exceptions import PGASRechunkUnsupported, PGASWorldError
 from ._rechunk import array_expr_mode, install, installed, rechunk, uninstall
 
 __all__ = [

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._exceptions import PGASWorldError
+from ..errors import PGASWorldError
 from ._scheduler_plugin import PGASSchedulerPlugin
 from ._worker_plugin import PGASWorkerPlugin
 

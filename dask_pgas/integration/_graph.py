@@ -84,10 +84,9 @@ def transfer(name: str, pe: int, epoch: int, spec: RunSpec, pieces: tuple, *arra
 def barrier(name: str, epoch: int, *transfers: int) -> int:
     """Every transfer task is done: make sure the scheduler has started the run of ``name`` (normally its
     transition hook already has) and return the run's number, without waiting for the collective to end."""
-    from distributed import get_worker
     from distributed.utils import sync
 
-    worker = get_worker()
+    worker = get_plugin().worker
     result = sync(worker.loop, worker.scheduler.pgas_barrier, name=name, epoch=epoch)
     if result["status"] != "OK":
         raise CollectiveError(result["message"])

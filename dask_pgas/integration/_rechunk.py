@@ -40,8 +40,8 @@ from typing import Any
 import dask
 import numpy as np
 
+from ..errors import PGASRechunkUnsupported
 from ._client import scheduler_world
-from ._exceptions import PGASRechunkUnsupported
 from ._worker_plugin import RunSpec
 
 __all__ = ["array_expr_mode", "install", "installed", "rechunk", "uninstall"]

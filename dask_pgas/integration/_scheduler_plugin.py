@@ -23,7 +23,7 @@ import dask
 from dask.utils import parse_timedelta
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from ._exceptions import PGASWorldError
+from ..errors import PGASWorldError
 
 logger = logging.getLogger("dask_pgas.integration")
 

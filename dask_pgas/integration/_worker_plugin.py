@@ -23,8 +23,7 @@ from typing import Any
 import dask
 from distributed import WorkerPlugin
 
-from ..errors import CollectiveError, RuntimeStateError, SymmetricMemoryError
-from ._exceptions import PGASWorldError
+from ..errors import CollectiveError, PGASWorldError, RuntimeStateError, SymmetricMemoryError
 
 logger = logging.getLogger("dask_pgas.integration")
 
@@ -657,7 +656,14 @@ def get_plugin(worker=None) -> PGASWorkerPlugin:
     """The PGAS plugin of this worker, or an error that says how to get one."""
     from distributed import get_worker
 
-    worker = worker or get_worker()
+    if worker is None:
+        try:
+            worker = get_worker()
+        except ValueError:  # not on a distributed worker
+            raise PGASWorldError(
+                "a pgas rechunk runs on the workers of the Dask cluster it was built for; it was computed with "
+                "another scheduler (compute it with that cluster's client)"
+            ) from None
     plugin = worker.plugins.get(PLUGIN_NAME)
     if plugin is None:
         raise PGASWorldError(

@@ -536,3 +536,17 @@ def test_rechunk_cancelled_inside_its_collective_computes_again(client):
         time.sleep(0.05)
     assert client.run(results_held) == {w: 0 for w in dask_pgas.world(client).workers}
     assert dask_pgas.world(client).broken is None
+
+
+@pytest.mark.parametrize("local", [True, False], ids=["local-plan", "collective"])
+def test_computed_with_another_scheduler_says_so(client, local):
+    """A pgas graph runs only on its cluster's workers: computed with the threaded scheduler it raises a clear
+    error (it was distributed's bare ``ValueError('No worker found')``)."""
+    from dask_pgas.errors import PGASWorldError
+
+    x = on_device(da.arange(NWORKERS * 40, chunks=40).reshape(NWORKERS * 4, 10).rechunk((4, 10)))  # not persisted
+    with dask.config.set({"pgas.local-rechunk": local}):
+        y = dask_pgas.rechunk(x, (NWORKERS * 4, 5))
+    with pytest.raises(PGASWorldError, match="another scheduler"):
+        y.compute(scheduler="threads")
+    assert host(y.compute()).sum() == host(x.sum().compute())  # the cluster computes it all the same

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("distributed")
 
-from dask_pgas.integration._exceptions import PGASWorldError
+from dask_pgas.errors import PGASWorldError
 from dask_pgas.integration._worker_plugin import PGASWorkerPlugin
 
 pytestmark = pytest.mark.dask

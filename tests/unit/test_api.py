@@ -44,7 +44,8 @@ def test_integration_names_are_listed_but_loaded_on_first_use():
 def test_errors_are_builtin_subclasses_and_pickle():
     for cls, base in [(errors.DistributionError, ValueError), (errors.NotInitializedError, RuntimeError),
                       (errors.UnsupportedOperandError, TypeError), (errors.SymmetricMemoryError, ValueError),
-                      (errors.CollectiveMismatchError, errors.CollectiveError)]:
+                      (errors.CollectiveMismatchError, errors.CollectiveError),
+                      (errors.PGASWorldError, RuntimeError), (errors.PGASRechunkUnsupported, NotImplementedError)]:
         exc = cls("what to do")
         assert isinstance(exc, base) and isinstance(exc, errors.PGASError)
         again = pickle.loads(pickle.dumps(exc))

@@ -51,17 +51,21 @@ class _FakeClient:
         from types import SimpleNamespace
 
         self.reply = reply
-        self.scheduler = SimpleNamespace(pgas_world=None, pgas_bootstrap=None)
+        self.scheduler = SimpleNamespace(address="tcp://fake:1", pgas_world=None, pgas_bootstrap=None)
 
     def sync(self, func, **kwargs):
         return self.reply
+
+    def run_on_scheduler(self, func):  # the scheduler has the plugin's handlers
+        return True
 
     def register_plugin(self, plugin):
         pass
 
 
 def test_world_before_bootstrap_is_none():
-    """A scheduler without the plugin (never bootstrapped) answers ``pgas_world`` with None."""
+    """A scheduler that answers ``pgas_world`` with None, or with an empty world, has none (a scheduler without
+    the plugin at all: test_never_bootstrapped_cluster_follows_fallback)."""
     from dask_pgas.integration import world
 
     assert world(_FakeClient(None)) is None
