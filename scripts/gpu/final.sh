@@ -18,6 +18,7 @@
 #   mps       gpu_checks, the CuPy core suite and the Dask suite at 2 and 4 PEs under MPS
 #   dask      the Dask suite on 1, 2 and 4 GPU workers and on 2 outside MPI (side by side), then the failure tests
 #   dask4     the Dask suite on 4 GPU workers alone (a quick check after a change to the Dask layer)
+#   failure   the Dask failure and launcher tests alone (tests/dask/test_failure.py, 3 GPU workers)
 #   cancel    the two cancel tests, 5 times on 4 GPU workers
 #   notebook  notebooks/01_pgas_rechunk.ipynb cell by cell on 1 and 2 GPU workers (1 GiB)
 #   demo      the README's main job (embedded default: one worker per GPU)
@@ -124,9 +125,13 @@ job_dask() {
   done
   dask_suite 2 200 "$OUT/dask-nanny2.log" local &
   wait
+  job_failure
+  grep -h "passed\|failed" "$OUT"/dask[0-9n]*.log >>"$S" 2>/dev/null
+}
+job_failure() {
   step "dask failure tests, 3 GPU workers (kill) and 2 (full heap)" 200 "$OUT/dask-failure.log" \
     env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -rA -p no:cacheprovider tests/dask/test_failure.py
-  grep -h "passed\|failed" "$OUT"/dask*.log >>"$S" 2>/dev/null
+  grep -h "passed\|failed" "$OUT/dask-failure.log" >>"$S" 2>/dev/null
 }
 job_dask4() {
   dask_suite 4 200 "$OUT/dask4.log"

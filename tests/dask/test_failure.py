@@ -262,7 +262,7 @@ def test_cluster_processes_inherit_the_callers_config():
         with dask.config.set({"pgas.backends": ["no-such-engine"]}), \
                 pytest.raises(PGASWorldError, match="no-such-engine"):
             dask_pgas.bootstrap(client)
-        assert dask_pgas.bootstrap(client).backends == ("mpi",)
+        assert dask_pgas.bootstrap(client).backends == (BACKEND,)  # the default: nvshmem on GPU workers
 
 
 def test_client_shutdown_closes_the_cluster():
