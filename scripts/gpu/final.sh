@@ -126,7 +126,7 @@ job_dask() {
   dask_suite 2 200 "$OUT/dask-nanny2.log" local &
   wait
   job_failure
-  grep -h "passed\|failed" "$OUT"/dask[0-9n]*.log >>"$S" 2>/dev/null
+  grep -h "passed\|failed" "$OUT"/dask[0-9]*.log "$OUT"/dask-nanny*.log >>"$S" 2>/dev/null
 }
 job_failure() {
   step "dask failure tests, 3 GPU workers (kill) and 2 (full heap)" 200 "$OUT/dask-failure.log" \
