@@ -20,7 +20,7 @@ from ..distribution import Box
 from ..geometry.boxes import contiguous_offset
 from .base import Allocation, ControlPlane, Engine, ReshapePlan, ReshapeSpec
 
-__all__ = ["MPIControl", "MPIEngine", "MPIReshapePlan"]
+__all__ = ["MPIControl", "MPIEngine", "MPIReshapePlan", "subarray_type"]
 
 
 class MPIControl(ControlPlane):
@@ -83,6 +83,13 @@ def _element_type(dtype: np.dtype):
         if not datatype.is_predefined:
             datatype.Free()
     return MPI.BYTE.Create_contiguous(dtype.itemsize).Commit(), True
+
+
+def subarray_type(base, whole: Box, piece: Box, order):
+    """The committed MPI datatype of ``piece`` of ``whole`` (global boxes) in a buffer laid out as ``whole`` in
+    ``order`` (``MPI.ORDER_C`` or ``MPI.ORDER_FORTRAN``), with ``base`` elements; the caller frees it."""
+    starts = [p - w for p, w in zip(piece.lower, whole.lower)]
+    return base.Create_subarray(list(whole.shape), list(piece.shape), starts, order=order).Commit()
 
 
 _PACK_CHOICES = ("auto", "always", "never")
@@ -166,8 +173,7 @@ class MPIReshapePlan(ReshapePlan):
             self._pack_buffer = np.empty(position, dtype=np.uint8)
 
     def _subarray(self, base, whole, piece, order):
-        starts = [p - w for p, w in zip(piece.lower, whole.lower)]
-        dt = base.Create_subarray(list(whole.shape), list(piece.shape), starts, order=order).Commit()
+        dt = subarray_type(base, whole, piece, order)
         self._derived.append(dt)
         return dt
 

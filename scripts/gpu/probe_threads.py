@@ -22,6 +22,9 @@ from mpi4py import MPI
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_reshape_mpi import timed  # (median of the repeats after one warm-up, max over ranks)
 
+from dask_pgas.distribution import Box
+from dask_pgas.engines.mpi import subarray_type
+
 
 def bands(lo: int, hi: int, k: int) -> list[tuple[int, int]]:
     edges = [lo + (hi - lo) * t // k for t in range(k + 1)]
@@ -40,35 +43,29 @@ def threaded(fn, k: int) -> None:
         th.join()
 
 
-def inter(a, b):
-    r0, r1, c0, c1 = max(a[0], b[0]), min(a[1], b[1]), max(a[2], b[2]), min(a[3], b[3])
-    return (r0, r1, c0, c1) if r0 < r1 and c0 < c1 else None
-
-
-def subarray(whole, piece):
-    shape = [whole[1] - whole[0], whole[3] - whole[2]]
-    sizes = [piece[1] - piece[0], piece[3] - piece[2]]
-    starts = [piece[0] - whole[0], piece[2] - whole[2]]
-    return MPI.DOUBLE.Create_subarray(shape, sizes, starts).Commit()
-
-
 def band_plan(rank, ins, outs, t, k):
-    """Thread t's part of the exchange: (send types, counts, receive types, counts, local band)."""
+    """Thread t's part of the exchange: (send types, counts, receive types, counts, local band), boxes as
+    :class:`Box` and bands of each piece's rows."""
     size, mi, mo = len(ins), ins[rank], outs[rank]
     st, rt = [MPI.DOUBLE] * size, [MPI.DOUBLE] * size
     sc, rc = [0] * size, [0] * size
     local = None
+
+    def band(piece):
+        lo, hi = bands(piece.lower[0], piece.upper[0], k)[t]
+        return Box((lo, piece.lower[1]), (hi, piece.upper[1])) if lo < hi else None
+
     for q in range(size):
-        p = inter(mi, outs[q])
-        lo, hi = bands(p[0], p[1], k)[t] if p else (0, 0)
-        if lo < hi and q == rank:
-            local = (lo, hi, p[2], p[3])
-        elif lo < hi:
-            st[q], sc[q] = subarray(mi, (lo, hi, p[2], p[3])), 1
-        p = inter(ins[q], mo)
-        lo, hi = bands(p[0], p[1], k)[t] if p and q != rank else (0, 0)
-        if lo < hi:
-            rt[q], rc[q] = subarray(mo, (lo, hi, p[2], p[3])), 1
+        piece = mi.intersection(outs[q])
+        part = band(piece) if piece is not None else None
+        if part is not None and q == rank:
+            local = part
+        elif part is not None:
+            st[q], sc[q] = subarray_type(MPI.DOUBLE, mi, part, MPI.ORDER_C), 1
+        piece = ins[q].intersection(mo) if q != rank else None
+        part = band(piece) if piece is not None else None
+        if part is not None:
+            rt[q], rc[q] = subarray_type(MPI.DOUBLE, mo, part, MPI.ORDER_C), 1
     return st, sc, rt, rc, local
 
 
@@ -81,18 +78,18 @@ def main() -> None:
     args = ap.parse_args()
     comm = MPI.COMM_WORLD
     rank, size, n = comm.rank, comm.size, args.n
-    # boxes as (row0, row1, col0, col1) of the global array
+    everything = Box((0, 0), (n, n))
     slabs = bands(0, n, size)
-    ins = [(0, n, lo, hi) for lo, hi in slabs]
-    outs = [(lo, hi, 0, n) for lo, hi in slabs]
+    ins = [Box((0, lo), (n, hi)) for lo, hi in slabs]
+    outs = [Box((lo, 0), (hi, n)) for lo, hi in slabs]
     if args.reverse:
         ins, outs = outs, ins
     mi, mo = ins[rank], outs[rank]
     g = np.arange(n * n, dtype=np.float64).reshape(n, n)
-    src = np.ascontiguousarray(g[mi[0] : mi[1], mi[2] : mi[3]])
-    want = g[mo[0] : mo[1], mo[2] : mo[3]].copy()
+    src = np.ascontiguousarray(g[mi.relative_to(everything)])
+    want = g[mo.relative_to(everything)].copy()
     del g
-    dst = np.ones((mo[1] - mo[0], mo[3] - mo[2]))  # pages faulted in once, as the engine's output pool does
+    dst = np.ones(mo.shape)  # pages faulted in once, as the engine's output pool does
     counts = [int(t) for t in args.threads.split(",")]
     results = {}
     for k in counts:
@@ -104,10 +101,7 @@ def main() -> None:
             zero = [0] * size
             comms[t].Alltoallw([src, (sc, zero), st], [dst, (rc, zero), rt])
             if local is not None:
-                r0, r1, c0, c1 = local
-                dst[r0 - mo[0] : r1 - mo[0], c0 - mo[2] : c1 - mo[2]] = src[
-                    r0 - mi[0] : r1 - mi[0], c0 - mi[2] : c1 - mi[2]
-                ]
+                dst[local.relative_to(mo)] = src[local.relative_to(mi)]
 
         dst[...] = 1
         threaded(work, k)
