@@ -1,7 +1,8 @@
 """One local Dask cluster shared by the whole tests/dask session: 3 CPU worker ranks of ``LocalMPICluster`` (an odd
 count), or ``DASK_PGAS_TEST_GPU_WORKERS`` GPU workers (see ``_xp.py``). With ``DASK_PGAS_TEST_CLUSTER=local`` the
 GPU workers are ``distributed.LocalCluster`` Nanny processes instead, not MPI processes: the PGAS world then comes
-up from an NVSHMEM unique id handed out through the scheduler (the path of dask-cuda clusters)."""
+up from an NVSHMEM unique id handed out through the scheduler. ``DASK_PGAS_TEST_CLUSTER=dask-cuda`` takes the same path
+with dask-cuda's own ``LocalCUDACluster`` (its defaults, and ``pgas.backends`` left to choose)."""
 
 from __future__ import annotations
 
@@ -32,14 +33,45 @@ def _nanny_cluster(n_workers: int):
     return cluster
 
 
+def _dask_cuda_cluster(n_workers: int):
+    """dask-cuda's ``LocalCUDACluster`` as a user starts it, bootstrapped with the default backends. It names
+    workers after their device, so a second worker on the one GPU is given the device's UUID (the same device,
+    listed another way)."""
+    from dask_cuda import LocalCUDACluster
+    from distributed import Client
+
+    import dask_pgas
+
+    devices: list = [0]
+    if n_workers == 2:
+        import pynvml  # (nvidia-ml-py, a dependency of dask-cuda)
+
+        pynvml.nvmlInit()
+        uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(0))
+        devices.append(uuid.decode() if isinstance(uuid, bytes) else uuid)
+    elif n_workers != 1:
+        raise RuntimeError("the dask-cuda mode runs 1 or 2 workers on the one GPU")
+    os.environ.setdefault("DASK_PGAS__COLLECTIVE_TIMEOUT", "60s")  # inherited by the worker processes
+    cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=devices, dashboard_address=None)
+    with Client(cluster) as client:
+        world = dask_pgas.bootstrap(client)
+    if list(world.backends) != ["nvshmem"]:
+        cluster.close()
+        raise RuntimeError(f"expected the nvshmem backend on dask-cuda workers, got {world.backends}")
+    return cluster
+
+
 @pytest.fixture(scope="session")
 def pgas_cluster():
     import dask_pgas
 
     from ._xp import BACKEND, GPU_WORKERS, NWORKERS
 
-    if GPU_WORKERS and os.environ.get("DASK_PGAS_TEST_CLUSTER") == "local":
+    kind = os.environ.get("DASK_PGAS_TEST_CLUSTER")
+    if GPU_WORKERS and kind == "local":
         cluster = _nanny_cluster(NWORKERS)
+    elif GPU_WORKERS and kind == "dask-cuda":
+        cluster = _dask_cuda_cluster(NWORKERS)
     else:
         cluster = dask_pgas.LocalMPICluster(
             n_workers=NWORKERS, env={"DASK_PGAS__COLLECTIVE_TIMEOUT": "60s"}, backends=[BACKEND],
