@@ -28,10 +28,9 @@
 #   cpubench  the CPU rechunk benchmark (4 CPU workers, MPI engine) S1 and S3 on this host's 16 cores
 #   p2p       Dask p2p on CuPy chunks without dask_pgas, as released and with the candidate fix
 #   heap      what a full NVSHMEM heap does (probe), growing and fixed
-#   daskcuda  dask-cuda's LocalCUDACluster (workers not launched by MPI, default backends): the Dask suite on 1 and
-#             2 workers, then examples/dask_cuda_rechunk.py. Needs a call carrying [".whl-dc"]: the wheels of
-#             dask-cuda, cuda-core, nvidia-ml-py, cuda-bindings and cuda-pathfinder (`pip download --no-deps`;
-#             too big to travel with a cuFFTMp part, so a call of its own after the uploads)
+#   daskcuda  dask-cuda's LocalCUDACluster (workers not launched by MPI, default backends): the Dask suite on 1
+#             worker (one per GPU), then examples/dask_cuda_rechunk.py (the dask-cuda wheel travels in .whl, `pip
+#             download --no-deps dask-cuda`: the host has its dependencies cuda-core and nvidia-ml-py)
 # Logs go to $OUT/logs.tar.gz (one or more per job, packed at the end: the device tool returns few files); PASS/FAIL
 # lines and the key numbers to $OUT/summary.txt. A step that
 # would start with less than 15 s of BUDGET left is skipped. (Rounds 1-10 of docs/gpu-validation.md name the
@@ -201,19 +200,10 @@ job_heap() {
   grep -h "^HEAP\|^--- fixed" "$OUT/heap.log" >>"$S"
 }
 job_daskcuda() {
-  [ -d .whl-dc ] && python3 scripts/gpu/install_wheels.py .whl-dc /tmp/site >>"$S" 2>&1
-  if ! python3 -c "import dask_cuda" >>"$OUT/daskcuda.log" 2>&1; then
-    # the host's cuda-bindings may be older than the carried cuda-core needs: the carried one, for this job only
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site-dc .whl-dc/cuda_bindings-*.whl >>"$S" 2>&1
-    export PYTHONPATH=/tmp/site-dc:$PYTHONPATH
-    echo "cuda-bindings from .whl-dc" >>"$S"
-  fi
-  python3 -c "import dask_cuda, cuda.core, cuda.bindings; print('dask_cuda', dask_cuda.__version__, 'cuda.core', cuda.core.__version__)" >>"$S" 2>&1
-  for k in 1 2; do
-    step "dask suite, $k dask-cuda worker(s) (LocalCUDACluster, default backends)" 200 "$OUT/daskcuda$k.log" \
-      env DASK_PGAS_TEST_GPU_WORKERS=$k DASK_PGAS_TEST_CLUSTER=dask-cuda \
-      python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py
-  done
+  python3 -c "import dask_cuda, cuda.core; print('dask_cuda', dask_cuda.__version__, 'cuda.core', cuda.core.__version__)" >>"$S" 2>&1
+  step "dask suite, 1 dask-cuda worker (LocalCUDACluster, default backends)" 200 "$OUT/daskcuda1.log" \
+    env DASK_PGAS_TEST_GPU_WORKERS=1 DASK_PGAS_TEST_CLUSTER=dask-cuda \
+    python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py
   for size in 1GiB 8GiB; do
     step "examples/dask_cuda_rechunk.py --size $size" 120 "$OUT/daskcuda-example.log" \
       python3 examples/dask_cuda_rechunk.py --size $size

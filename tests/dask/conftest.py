@@ -34,25 +34,15 @@ def _nanny_cluster(n_workers: int):
 
 
 def _dask_cuda_cluster(n_workers: int):
-    """dask-cuda's ``LocalCUDACluster`` as a user starts it, bootstrapped with the default backends. It names
-    workers after their device, so a second worker on the one GPU is given the device's UUID (the same device,
-    listed another way)."""
+    """dask-cuda's ``LocalCUDACluster`` as a user starts it (one Nanny worker per GPU, so at most as many workers
+    as GPUs), bootstrapped with the default backends."""
     from dask_cuda import LocalCUDACluster
     from distributed import Client
 
     import dask_pgas
 
-    devices: list = [0]
-    if n_workers == 2:
-        import pynvml  # (nvidia-ml-py, a dependency of dask-cuda)
-
-        pynvml.nvmlInit()
-        uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(0))
-        devices.append(uuid.decode() if isinstance(uuid, bytes) else uuid)
-    elif n_workers != 1:
-        raise RuntimeError("the dask-cuda mode runs 1 or 2 workers on the one GPU")
     os.environ.setdefault("DASK_PGAS__COLLECTIVE_TIMEOUT", "60s")  # inherited by the worker processes
-    cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=devices, dashboard_address=None)
+    cluster = LocalCUDACluster(n_workers=n_workers, dashboard_address=None)
     with Client(cluster) as client:
         world = dask_pgas.bootstrap(client)
     if list(world.backends) != ["nvshmem"]:
