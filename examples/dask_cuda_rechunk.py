@@ -32,7 +32,7 @@ def main() -> int:
         world = dask_pgas.bootstrap(client)
         parts = max(world.npes, 4)  # slabs (with one worker several, so that the rechunk is not a no-op)
         n = math.isqrt(parse_bytes(args.size) // 8) // parts * parts
-        print(f"{world}; {n} x {n} float64 ({format_bytes(n * n * 8)})", flush=True)
+        print(world, f"\n{n} x {n} float64 ({format_bytes(n * n * 8)}), column slabs -> row slabs", flush=True)
         x = da.random.random((n, n), chunks=(n, n // parts)).map_blocks(cupy.asarray).persist()  # CuPy column slabs
         wait(x)
         rows = (n // parts, n)
