@@ -564,8 +564,8 @@ def test_computed_with_another_scheduler_says_so(client, local):
 @pytest.mark.parametrize("dtype", ["float16", "datetime64[ns]", ">M8[ns]", "timedelta64[s]", "S7", "U3"])
 def test_edge_shapes_and_dtypes_like_dask(client, shape, cin, spec, dtype):
     """Shapes and dtypes at the edges (a parity review ran 541 such cases against Dask's tasks): the same
-    chunks as Dask, the declared dtype kept (Dask's own tasks rechunk returns native-order chunks for '>M8'),
-    every byte in place."""
+    chunks as Dask, the declared dtype kept (on a cluster the input's chunks of '>M8' arrive in native order,
+    docs/upstream-byteorder.md, and Dask's own rechunk passes them on), every byte in place."""
     size = int(np.prod(shape))
     ref = (np.arange(size, dtype=np.int64) * 7919 % 1000).reshape(shape).astype(np.dtype(dtype))
     x = da.from_array(ref, chunks=cin) if shape else da.from_array(ref)
