@@ -204,10 +204,15 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                         epoch=epoch, ranks=[ranks[w] for w in order], backends=backends,
                     )
                 else:
-                    uid = await asyncio.wait_for(self.scheduler.rpc(order[0]).pgas_uniqueid(), timeout)
+                    # one host: NVSHMEM's one-node defaults (no remote transport, bootstrap over loopback), as the
+                    # MPI path sets them from the ranks' host names
+                    single = len({infos[w].get("host") for w in order}) == 1
+                    uid = await asyncio.wait_for(self.scheduler.rpc(order[0]).pgas_uniqueid(single_node=single),
+                                                 timeout)
                     coros = [
                         self.scheduler.rpc(w).pgas_init(
-                            epoch=epoch, ranks=None, backends=backends, uid=uid, pe=pe, npes=len(order)
+                            epoch=epoch, ranks=None, backends=backends, uid=uid, pe=pe, npes=len(order),
+                            single_node=single,
                         )
                         for pe, w in enumerate(order)
                     ]

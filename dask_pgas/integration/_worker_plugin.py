@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import logging
 import queue
+import socket
 import sys
 import threading
 import time
@@ -24,6 +25,13 @@ import dask
 from distributed import WorkerPlugin
 
 from ..errors import CollectiveError, PGASWorldError, RuntimeStateError, SymmetricMemoryError
+
+#: The GPU of a PE is the one its worker's tasks allocate on: CUDA device 0 of what the worker sees. Launchers that
+#: give each worker a GPU of its own do it with CUDA_VISIBLE_DEVICES (dask-cuda puts the worker's GPU first in a
+#: rotated list, LocalMPICluster(gpus=N) shows one), so the symmetric heap lies on the GPU that holds the chunks.
+#: (The core's default, the node-local rank modulo the visible GPUs, would put PE k of a dask-cuda cluster on the
+#: k-th GPU of its rotated list: two PEs on one GPU, neither beside its chunks.)
+WORKER_DEVICE = 0
 
 logger = logging.getLogger("dask_pgas.integration")
 
@@ -312,6 +320,7 @@ class PGASWorkerPlugin(WorkerPlugin):
         return {
             "address": self.worker.address,
             "name": str(self.worker.name),
+            "host": socket.gethostname(),
             "mpi_rank": rank,
             "mpi_size": size,
             "available": available,
@@ -332,8 +341,8 @@ class PGASWorkerPlugin(WorkerPlugin):
         }
 
     async def _h_init(self, epoch: int, ranks: list | None, backends: list | None, uid: bytes | None = None,
-                      pe: int | None = None, npes: int | None = None) -> dict:
-        fut = self._thread.submit(self._init, epoch, ranks, backends, uid, pe, npes)
+                      pe: int | None = None, npes: int | None = None, single_node: bool | None = None) -> dict:
+        fut = self._thread.submit(self._init, epoch, ranks, backends, uid, pe, npes, single_node)
         try:
             await asyncio.wrap_future(fut)
         except Exception as exc:
@@ -370,13 +379,13 @@ class PGASWorkerPlugin(WorkerPlugin):
             return {"status": "error", "message": f"{type(exc).__name__}: {exc}"}
         return {"status": "OK", **(await self._h_info())}
 
-    async def _h_uniqueid(self) -> bytes:
+    async def _h_uniqueid(self, single_node: bool | None = None) -> bytes:
         import dask_pgas
 
         make = getattr(dask_pgas, "get_nvshmem_uniqueid", None)
         if make is None:
             raise RuntimeStateError("this dask_pgas has no NVSHMEM unique-id bootstrap (GPU engine missing)")
-        return await asyncio.wrap_future(self._thread.submit(make))
+        return await asyncio.wrap_future(self._thread.submit(lambda: make(WORKER_DEVICE, single_node=single_node)))
 
     def _h_forget(self, name: str, run: int | None = None, epoch: int | None = None) -> None:
         """Dask is done with rechunk ``name`` (its barrier task was released or forgotten): drop what it staged
@@ -415,7 +424,7 @@ class PGASWorkerPlugin(WorkerPlugin):
                 fut.set_exception(exc)
 
     # ---------------------------------------------------------------- collective thread
-    def _init(self, epoch, ranks, backends, uid, pe, npes) -> None:
+    def _init(self, epoch, ranks, backends, uid, pe, npes, single_node=None) -> None:
         import dask_pgas
 
         from .. import runtime
@@ -437,7 +446,7 @@ class PGASWorkerPlugin(WorkerPlugin):
             group.Free()
             sub.Free()
             try:
-                dask_pgas.initialize(communicator=comm, backends=backends)
+                dask_pgas.initialize(WORKER_DEVICE, communicator=comm, backends=backends)
                 self.pe, self.npes = comm.Get_rank(), comm.Get_size()
             finally:
                 comm.Free()
@@ -445,7 +454,7 @@ class PGASWorkerPlugin(WorkerPlugin):
             init = getattr(dask_pgas, "initialize_from_uniqueid", None)
             if init is None:
                 raise RuntimeStateError("this dask_pgas has no NVSHMEM unique-id bootstrap (GPU engine missing)")
-            init(uid, pe, npes)
+            init(uid, pe, npes, WORKER_DEVICE, single_node=single_node)
             self.pe, self.npes = pe, npes
         self.epoch = epoch
         self.broken = None

@@ -28,6 +28,9 @@
 #   cpubench  the CPU rechunk benchmark (4 CPU workers, MPI engine) S1 and S3 on this host's 16 cores
 #   p2p       Dask p2p on CuPy chunks without dask_pgas, as released and with the candidate fix
 #   heap      what a full NVSHMEM heap does (probe), growing and fixed
+#   userenv   as a user runs it: none of this script's NVSHMEM settings but NVSHMEM_DISABLE_NVLS=1 (the package's
+#             own defaults then apply): the main job, the Dask suite on 2 workers outside MPI (unique-id
+#             bootstrap), the dask-cuda example, gpu_checks at 2 PEs
 #   daskcuda  dask-cuda's LocalCUDACluster (workers not launched by MPI, default backends): the Dask suite on 1
 #             worker (one per GPU), then examples/dask_cuda_rechunk.py (the dask-cuda wheel travels in .whl, `pip
 #             download --no-deps dask-cuda`: the host has its dependencies cuda-core and nvidia-ml-py)
@@ -210,6 +213,19 @@ job_daskcuda() {
   done
   grep -h "passed\|failed" "$OUT"/daskcuda[0-9].log >>"$S" 2>/dev/null
   grep -h "World\|GB/s\|round trip\|Error" "$OUT/daskcuda-example.log" >>"$S" 2>/dev/null
+}
+job_userenv() {
+  local user=(env -u NVSHMEM_REMOTE_TRANSPORT -u NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME -u NVSHMEM_SYMMETRIC_SIZE
+              -u NVSHMEM_DISABLE_NCCL NVSHMEM_DISABLE_NVLS=1)
+  step "user env: main job (dask-pgas demo)" 120 "$OUT/userenv.log" "${user[@]}" python3 -m dask_pgas.cli demo
+  step "user env: dask suite, 2 GPU workers outside MPI (unique-id bootstrap)" 200 "$OUT/userenv-local2.log" \
+    "${user[@]}" DASK_PGAS_TEST_GPU_WORKERS=2 DASK_PGAS_TEST_CLUSTER=local \
+    python3 -m pytest -q -p no:cacheprovider tests/dask/test_rechunk.py
+  step "user env: examples/dask_cuda_rechunk.py --size 2GiB" 120 "$OUT/userenv.log" \
+    "${user[@]}" python3 examples/dask_cuda_rechunk.py --size 2GiB
+  step "user env: gpu_checks np=2" 100 "$OUT/userenv.log" "${user[@]}" $MPIRUN -n 2 python3 tests/gpu/programs/gpu_checks.py
+  grep -h "passed\|failed" "$OUT/userenv-local2.log" >>"$S" 2>/dev/null
+  grep -h "GB/s\|pgas vs\|round trip\|WRONG\|Error" "$OUT/userenv.log" | head -30 >>"$S" 2>/dev/null
 }
 
 # ---------------------------------------------------------------- main

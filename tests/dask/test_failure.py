@@ -420,6 +420,33 @@ def test_non_mpi_workers_without_nvshmem_get_a_clear_error():
             np.testing.assert_array_equal(dask_pgas.rechunk(x, (10, 40)).compute(), np.ones((40, 40)))
 
 
+def test_unique_id_bootstrap_puts_each_pe_on_its_workers_gpu(monkeypatch):
+    """Workers outside one MPI job bring NVSHMEM up from a unique id. Each PE takes device 0 of what its worker
+    sees, where the worker's tasks put their CuPy chunks (dask-cuda lists each worker's own GPU first; the core's
+    default, the local rank modulo the visible GPUs, would put two PEs of a 4-GPU dask-cuda cluster on one GPU),
+    and workers on one host get NVSHMEM's one-node defaults. Recorded with stand-ins for the two NVSHMEM calls."""
+    from distributed import Client, LocalCluster
+
+    calls = []
+
+    def uid(device_id=None, *, single_node=None):
+        calls.append(("uid", device_id, single_node))
+        return b"u" * 128
+
+    def init(uid, rank, nranks, device_id=None, *, single_node=None):
+        calls.append(("init", rank, nranks, device_id, single_node))
+        raise RuntimeError("stand-in: no NVSHMEM here")
+
+    monkeypatch.setattr(dask_pgas, "get_nvshmem_uniqueid", uid)
+    monkeypatch.setattr(dask_pgas, "initialize_from_uniqueid", init)
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        with pytest.raises(PGASWorldError, match="stand-in: no NVSHMEM here"):
+            dask_pgas.bootstrap(client, backends=["nvshmem"])
+    assert calls[0] == ("uid", 0, True)
+    assert sorted(calls[1:]) == [("init", 0, 2, 0, True), ("init", 1, 2, 0, True)]
+
+
 def test_never_bootstrapped_cluster_follows_fallback(caplog):
     """A cluster whose scheduler never had the dask_pgas plugin (bootstrap not called): rechunk raises the
     documented error (it crashed with an AttributeError) or follows pgas.fallback, world() is None, and the
