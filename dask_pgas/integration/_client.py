@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,8 @@ def bootstrap(client=None, *, backends=None, timeout=None) -> World:
     result = client.sync(client.scheduler.pgas_bootstrap, backends=backends, timeout=timeout)
     if result["status"] != "OK":
         raise PGASWorldError(f"dask_pgas.bootstrap failed: {result['message']}")
+    if result.get("warning"):
+        warnings.warn(f"dask_pgas.bootstrap: {result['warning']}", RuntimeWarning, stacklevel=2)
     if backends is not None:
         wanted = [backends] if isinstance(backends, str) else list(backends)
         if wanted != list(result["backends"]):  # only an intact world, returned as is, differs

@@ -46,6 +46,27 @@ class _Run:
             self.failed.set_result(message)
 
 
+def shared_gpu_warning(members: dict[str, tuple[str | None, str | None, int | None]]) -> str | None:
+    """A warning when the PEs of a host share fewer GPUs than its workers see, else None. ``members`` maps each
+    worker to (host name, its PE's GPU, how many GPUs it sees); workers without a GPU are left out. Workers not
+    given a GPU each (no per-worker ``CUDA_VISIBLE_DEVICES``) all take their device 0, the same GPU; sharing on
+    purpose (several workers, one GPU visible to each) is not warned about."""
+    hosts: dict[str | None, list[tuple[str, int]]] = {}
+    for host, gpu, visible in members.values():
+        if gpu is not None:
+            hosts.setdefault(host, []).append((gpu, visible or 0))
+    lines = []
+    for host, pes in hosts.items():
+        gpus = {gpu for gpu, _ in pes}
+        seen = max(visible for _, visible in pes)
+        if len(pes) > len(gpus) and seen > len(gpus):
+            lines.append(f"{len(pes)} PEs on {host} share {len(gpus)} GPU(s) while its workers see {seen}")
+    if not lines:
+        return None
+    return ("; ".join(lines) + ": give each worker a GPU of its own with CUDA_VISIBLE_DEVICES (dask-cuda and "
+            "LocalMPICluster(gpus=N) do it; docs/dask.md, 'Which GPU a PE uses')")
+
+
 class PGASSchedulerPlugin(SchedulerPlugin):
     """Registered by :func:`dask_pgas.bootstrap`; one per scheduler (idempotent)."""
 
@@ -235,7 +256,12 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             self.backends = tuple(backends)
             self.broken = None
             logger.info("dask_pgas: PGAS world #%d with %d PEs: %s", epoch, len(order), order)
-            return {"status": "OK", **self._describe()}
+            warning = shared_gpu_warning(
+                {w: (infos[w].get("host"), res[w].get("gpu"), res[w].get("visible_gpus")) for w in order}
+            )
+            if warning:
+                logger.warning("dask_pgas: %s", warning)
+            return {"status": "OK", **self._describe(), **({"warning": warning} if warning else {})}
 
     async def teardown(self) -> dict:
         async with self._lock:

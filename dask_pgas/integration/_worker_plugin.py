@@ -347,7 +347,7 @@ class PGASWorkerPlugin(WorkerPlugin):
             await asyncio.wrap_future(fut)
         except Exception as exc:
             return {"status": "error", "message": f"{type(exc).__name__}: {exc}"}
-        return {"status": "OK", "pe": self.pe, "npes": self.npes}
+        return {"status": "OK", "pe": self.pe, "npes": self.npes, **fut.result()}
 
     async def _h_start(self, name: str, seq: int, epoch: int) -> dict:
         if epoch != self.epoch:
@@ -424,7 +424,7 @@ class PGASWorkerPlugin(WorkerPlugin):
                 fut.set_exception(exc)
 
     # ---------------------------------------------------------------- collective thread
-    def _init(self, epoch, ranks, backends, uid, pe, npes, single_node=None) -> None:
+    def _init(self, epoch, ranks, backends, uid, pe, npes, single_node=None) -> dict:
         import dask_pgas
 
         from .. import runtime
@@ -461,6 +461,7 @@ class PGASWorkerPlugin(WorkerPlugin):
         self._next_seq = 0
         self._pending.clear()
         self._fail_waiting(PGASWorldError(f"the PGAS world was bootstrapped again (world #{epoch})"))
+        return _gpu_identity()
 
     def _teardown(self) -> None:
         from .. import runtime
@@ -659,6 +660,24 @@ class PGASWorkerPlugin(WorkerPlugin):
             dst = (self._pool.empty(out_box.shape, dtype) if spec.package == "numpy"
                    else engine.empty(out_box.shape, dtype, spec.package))
         return plan, src, dst
+
+
+def _gpu_identity() -> dict:
+    """This PE's GPU (PCI bus id, the same in every process that shares it) and how many GPUs its worker sees,
+    for the scheduler's check that workers were given a GPU each; empty without the nvshmem backend (or when the
+    driver cannot say)."""
+    from .. import runtime
+
+    if "nvshmem" not in runtime.initialized_backends():
+        return {}
+    from ..bindings.cuda import driver
+
+    try:
+        drv = driver()
+        return {"gpu": drv.pci_bus_id(), "visible_gpus": drv.device_count()}
+    except Exception as exc:  # advisory only: the world is up either way
+        logger.warning("dask_pgas: could not identify this PE's GPU: %s", exc)
+        return {}
 
 
 def get_plugin(worker=None) -> PGASWorkerPlugin:

@@ -447,6 +447,25 @@ def test_unique_id_bootstrap_puts_each_pe_on_its_workers_gpu(monkeypatch):
     assert sorted(calls[1:]) == [("init", 0, 2, 0, True), ("init", 1, 2, 0, True)]
 
 
+def test_workers_sharing_a_gpu_they_did_not_choose_get_a_warning(monkeypatch):
+    """Two workers of one host whose PEs landed on the same GPU while each sees four (no per-worker
+    CUDA_VISIBLE_DEVICES): bootstrap succeeds and warns, saying how to give each worker its GPU. NVSHMEM and
+    the GPU are stand-ins."""
+    from distributed import Client, LocalCluster
+
+    from dask_pgas.integration import _worker_plugin
+
+    monkeypatch.setattr(dask_pgas, "get_nvshmem_uniqueid", lambda device_id=None, *, single_node=None: b"u" * 128)
+    monkeypatch.setattr(dask_pgas, "initialize_from_uniqueid", lambda *args, **kwargs: None)
+    monkeypatch.setattr(_worker_plugin, "_gpu_identity", lambda: {"gpu": "0000:19:00.0", "visible_gpus": 4})
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        with pytest.warns(RuntimeWarning, match=r"2 PEs on .* share 1 GPU\(s\) while its workers see 4: .*"
+                                                r"CUDA_VISIBLE_DEVICES"):
+            world = dask_pgas.bootstrap(client, backends=["nvshmem"])
+        assert world.npes == 2 and world.broken is None
+
+
 def test_never_bootstrapped_cluster_follows_fallback(caplog):
     """A cluster whose scheduler never had the dask_pgas plugin (bootstrap not called): rechunk raises the
     documented error (it crashed with an AttributeError) or follows pgas.fallback, world() is None, and the

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("distributed")
 
-from dask_pgas.integration._scheduler_plugin import PGASSchedulerPlugin
+from dask_pgas.integration._scheduler_plugin import PGASSchedulerPlugin, shared_gpu_warning
 
 pytestmark = pytest.mark.dask
 
@@ -276,3 +276,26 @@ def test_barriers_run_on_world_members():
     plugin.scheduler.tasks["pgas-barrier-abc"] = ts
     plugin.update_graph(plugin.scheduler, tasks=["pgas-barrier-abc"])
     assert ts.worker_restrictions == {"w0", "w1"} and ts.loose_restrictions is False
+
+
+@pytest.mark.parametrize("members, expected", [
+    # dask-cuda or LocalMPICluster(gpus=4): a GPU each
+    ({f"w{i}": ("h", f"gpu{i}", 4) for i in range(4)}, None),
+    # several workers on one GPU on purpose: each sees only that one (LocalMPICluster(gpus=1), MPS)
+    ({f"w{i}": ("h", "gpu0", 1) for i in range(4)}, None),
+    # CPU workers (MPI engine): no GPU to compare
+    ({f"w{i}": ("h", None, None) for i in range(3)}, None),
+    # four unbound workers of an 8-GPU host all took their device 0
+    ({f"w{i}": ("h", "gpu0", 8) for i in range(4)}, "4 PEs on h share 1 GPU(s) while its workers see 8"),
+    # two hosts, only the second unbound
+    ({"a0": ("a", "g0", 2), "a1": ("a", "g1", 2), "b0": ("b", "g0", 2), "b1": ("b", "g0", 2)},
+     "2 PEs on b share 1 GPU(s) while its workers see 2"),
+])
+def test_shared_gpu_warning(members, expected):
+    """bootstrap warns when a host's PEs share fewer GPUs than its workers see (workers not given a GPU each,
+    so every PE took its worker's device 0), and only then."""
+    warning = shared_gpu_warning(members)
+    if expected is None:
+        assert warning is None
+    else:
+        assert warning.startswith(expected) and "CUDA_VISIBLE_DEVICES" in warning
