@@ -31,6 +31,8 @@
 #   userenv   as a user runs it: none of this script's NVSHMEM settings but NVSHMEM_DISABLE_NVLS=1 (the package's
 #             own defaults then apply): the main job, the Dask suite on 2 workers outside MPI (unique-id
 #             bootstrap), the dask-cuda example, gpu_checks at 2 PEs
+#   bind      which GPU each PE took, and whether bootstrap warned, on LocalMPICluster(gpus=1) and LocalCluster
+#             workers (2 each; one GPU visible to each, so no warning is expected)
 #   daskcuda  dask-cuda's LocalCUDACluster (workers not launched by MPI, default backends): the Dask suite on 1
 #             worker (one per GPU), then examples/dask_cuda_rechunk.py (the dask-cuda wheel travels in .whl, `pip
 #             download --no-deps dask-cuda`: the host has its dependencies cuda-core and nvidia-ml-py)
@@ -214,6 +216,12 @@ job_daskcuda() {
   grep -h "passed\|failed" "$OUT"/daskcuda[0-9].log >>"$S" 2>/dev/null
   grep -h "World\|GB/s\|round trip\|Error" "$OUT/daskcuda-example.log" >>"$S" 2>/dev/null
 }
+job_bind() {
+  step "GPU binding of 2 LocalMPICluster(gpus=1) and 2 LocalCluster workers" 120 "$OUT/bind.log" \
+    python3 scripts/gpu/check_binding.py
+  grep -h "^BIND\|Error" "$OUT/bind.log" >>"$S" 2>/dev/null
+}
+
 job_userenv() {
   local user=(env -u NVSHMEM_REMOTE_TRANSPORT -u NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME -u NVSHMEM_SYMMETRIC_SIZE
               -u NVSHMEM_DISABLE_NCCL NVSHMEM_DISABLE_NVLS=1)

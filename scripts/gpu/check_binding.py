@@ -1,0 +1,34 @@
+"""Which GPU each PE took, and whether ``bootstrap`` warned, on 2 ``LocalMPICluster(gpus=1)`` workers and on 2
+``LocalCluster`` workers (unique-id bring-up). Each worker sees one GPU, so no warning is expected. One line per
+cluster, starting with BIND."""
+
+import warnings
+
+from distributed import Client, LocalCluster
+
+import dask_pgas
+from dask_pgas.bindings.cuda import driver
+
+
+def gpu() -> tuple[str, int]:
+    return driver().pci_bus_id(), driver().device_count()
+
+
+def main() -> None:
+    clusters = {
+        "LocalMPICluster": lambda: dask_pgas.LocalMPICluster(n_workers=2, gpus=1, backends=["nvshmem"]),
+        "LocalCluster": lambda: LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None),
+    }
+    for kind, make in clusters.items():
+        with make() as cluster, Client(cluster) as client, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            world = dask_pgas.bootstrap(client, backends=["nvshmem"])
+            ours = [str(w.message) for w in caught if "dask_pgas" in str(w.message)]
+            gpus = sorted(client.run(gpu).values())
+            print(f"BIND {kind}: {world.npes} PEs, GPU and visible count per worker {gpus}, warnings {ours}",
+                  flush=True)
+            dask_pgas.teardown(client)
+
+
+if __name__ == "__main__":  # (LocalCluster spawns its workers: they import this module)
+    main()
