@@ -7,7 +7,7 @@
 # (at most 64 MiB per call: the smallest part travels with the wheels). The parts come from
 # `../shared/tools/stage-cufftmp cu13 .gpu-stage`; .whl holds the cp312 wheels of dask, distributed, dask-mpi
 # and all their dependencies, plus hypothesis (`pip download --only-binary=:all: --python-version 3.12
-# --platform manylinux_2_17_x86_64 --platform any dask==... distributed==... hypothesis`, dask-mpi with
+# --platform manylinux_2_17_x86_64 --platform any dask==... distributed==... hypothesis`, dask-mpi and dask-cuda with
 # --no-deps); the host lacks some of them (tornado, in session 10). `upload` installs the wheels and runs the CPU-side
 # tests there; `upload2` brings NVSHMEM up from a unique id at 1, 2 and 4 PEs (no cuFFTMp needed); either may be
 # followed by the jobs that need no cuFFTMp (robust, cpubench), so that the upload calls do real work too. Any other
