@@ -334,6 +334,7 @@ class PGASWorkerPlugin(WorkerPlugin):
             "heap": heap,
             "plans": len(self._plans),
             "output_pool_idle": self._pool.idle,
+            **_gpu_identity(),
             "runs": self.runs,
             "last_timings": getattr(self, "last_timings", None),
             "collective_seconds": self.collective_seconds,
@@ -347,7 +348,7 @@ class PGASWorkerPlugin(WorkerPlugin):
             await asyncio.wrap_future(fut)
         except Exception as exc:
             return {"status": "error", "message": f"{type(exc).__name__}: {exc}"}
-        return {"status": "OK", "pe": self.pe, "npes": self.npes, **fut.result()}
+        return {"status": "OK", "pe": self.pe, "npes": self.npes, **_gpu_identity()}
 
     async def _h_start(self, name: str, seq: int, epoch: int) -> dict:
         if epoch != self.epoch:
@@ -424,7 +425,7 @@ class PGASWorkerPlugin(WorkerPlugin):
                 fut.set_exception(exc)
 
     # ---------------------------------------------------------------- collective thread
-    def _init(self, epoch, ranks, backends, uid, pe, npes, single_node=None) -> dict:
+    def _init(self, epoch, ranks, backends, uid, pe, npes, single_node=None) -> None:
         import dask_pgas
 
         from .. import runtime
@@ -461,7 +462,6 @@ class PGASWorkerPlugin(WorkerPlugin):
         self._next_seq = 0
         self._pending.clear()
         self._fail_waiting(PGASWorldError(f"the PGAS world was bootstrapped again (world #{epoch})"))
-        return _gpu_identity()
 
     def _teardown(self) -> None:
         from .. import runtime
@@ -663,9 +663,9 @@ class PGASWorkerPlugin(WorkerPlugin):
 
 
 def _gpu_identity() -> dict:
-    """This PE's GPU (PCI bus id, the same in every process that shares it) and how many GPUs its worker sees,
-    for the scheduler's check that workers were given a GPU each; empty without the nvshmem backend (or when the
-    driver cannot say)."""
+    """This PE's GPU (``gpu``: its PCI bus id, the same in every process that shares it) and how many GPUs its
+    worker sees (``visible_gpus``), for the scheduler's check that workers were given a GPU each and for
+    ``world(detail=True)``; empty without the nvshmem backend (or when the driver cannot say)."""
     from .. import runtime
 
     if "nvshmem" not in runtime.initialized_backends():

@@ -7,11 +7,6 @@ import warnings
 from distributed import Client, LocalCluster
 
 import dask_pgas
-from dask_pgas.bindings.cuda import driver
-
-
-def gpu() -> tuple[str, int]:
-    return driver().pci_bus_id(), driver().device_count()
 
 
 def main() -> None:
@@ -24,7 +19,8 @@ def main() -> None:
             warnings.simplefilter("always")
             world = dask_pgas.bootstrap(client, backends=["nvshmem"])
             ours = [str(w.message) for w in caught if "dask_pgas" in str(w.message)]
-            gpus = sorted(client.run(gpu).values())
+            info = dask_pgas.world(client, detail=True).info.values()  # each PE's report
+            gpus = sorted((i["gpu"], i["visible_gpus"]) for i in info)
             print(f"BIND {kind}: {world.npes} PEs, GPU and visible count per worker {gpus}, warnings {ours}",
                   flush=True)
             dask_pgas.teardown(client)

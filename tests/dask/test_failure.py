@@ -464,6 +464,8 @@ def test_workers_sharing_a_gpu_they_did_not_choose_get_a_warning(monkeypatch):
                                                 r"CUDA_VISIBLE_DEVICES"):
             world = dask_pgas.bootstrap(client, backends=["nvshmem"])
         assert world.npes == 2 and world.broken is None
+        # each PE's GPU is also in world(detail=True)
+        assert {i["gpu"] for i in dask_pgas.world(client, detail=True).info.values()} == {"0000:19:00.0"}
 
 
 def test_never_bootstrapped_cluster_follows_fallback(caplog):
