@@ -228,17 +228,25 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                     # one host: NVSHMEM's one-node defaults (no remote transport, bootstrap over loopback), as the
                     # MPI path sets them from the ranks' host names
                     single = len({infos[w].get("host") for w in order}) == 1
-                    uid = await asyncio.wait_for(self.scheduler.rpc(order[0]).pgas_uniqueid(single_node=single),
-                                                 timeout)
-                    coros = [
-                        self.scheduler.rpc(w).pgas_init(
-                            epoch=epoch, ranks=None, backends=backends, uid=uid, pe=pe, npes=len(order),
-                            single_node=single,
+                    uid = None
+                    try:
+                        uid = await asyncio.wait_for(
+                            self.scheduler.rpc(order[0]).pgas_uniqueid(single_node=single), timeout
                         )
-                        for pe, w in enumerate(order)
-                    ]
-                    out = await asyncio.wait_for(asyncio.gather(*coros, return_exceptions=True), timeout)
-                    res = dict(zip(order, out))
+                    except asyncio.TimeoutError:
+                        raise
+                    except Exception as exc:  # no unique id on PE 0 (no GPU, no NVSHMEM): no PE was started;
+                        res = {order[0]: exc}  # reported as a failed init (it reached the client as a bare error)
+                    if uid is not None:
+                        coros = [
+                            self.scheduler.rpc(w).pgas_init(
+                                epoch=epoch, ranks=None, backends=backends, uid=uid, pe=pe, npes=len(order),
+                                single_node=single,
+                            )
+                            for pe, w in enumerate(order)
+                        ]
+                        out = await asyncio.wait_for(asyncio.gather(*coros, return_exceptions=True), timeout)
+                        res = dict(zip(order, out))
             except asyncio.TimeoutError:
                 self.world, self.broken = tuple(order), f"bootstrap of world #{epoch} timed out after {timeout}s"
                 return {"status": "error", "message": self.broken}

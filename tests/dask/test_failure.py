@@ -447,6 +447,26 @@ def test_unique_id_bootstrap_puts_each_pe_on_its_workers_gpu(monkeypatch):
     assert sorted(calls[1:]) == [("init", 0, 2, 0, True), ("init", 1, 2, 0, True)]
 
 
+def test_unique_id_that_cannot_be_made_fails_bootstrap_clearly(monkeypatch):
+    """PE 0 cannot make an NVSHMEM unique id (no GPU or library there): bootstrap raises PGASWorldError naming
+    the worker and the cause (it was the scheduler's bare exception), no worker initialized anything, and a later
+    bootstrap runs again. NVSHMEM is a stand-in."""
+    from distributed import Client, LocalCluster
+
+    def no_uid(device_id=None, *, single_node=None):
+        raise RuntimeError("stand-in: no GPU on this worker")
+
+    inits = []
+    monkeypatch.setattr(dask_pgas, "get_nvshmem_uniqueid", no_uid)
+    monkeypatch.setattr(dask_pgas, "initialize_from_uniqueid", lambda *args, **kwargs: inits.append(args))
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        for _ in range(2):
+            with pytest.raises(PGASWorldError, match=r"bootstrap failed on \S+://.*stand-in: no GPU on this worker"):
+                dask_pgas.bootstrap(client, backends=["nvshmem"])
+    assert inits == []
+
+
 def test_workers_sharing_a_gpu_they_did_not_choose_get_a_warning(monkeypatch):
     """Two workers of one host whose PEs landed on the same GPU while each sees four (no per-worker
     CUDA_VISIBLE_DEVICES): bootstrap succeeds and warns, saying how to give each worker its GPU. NVSHMEM and
