@@ -13,41 +13,31 @@ import pytest
 pytest.importorskip("distributed")
 
 
-def _nanny_cluster(n_workers: int):
-    """A ``LocalCluster`` of GPU workers that are not one MPI job, with a PGAS world made from an NVSHMEM unique
-    id handed out by the scheduler."""
+def _nanny_cluster(n_workers: int, kind: str):
+    """GPU workers that are not one MPI job, with a PGAS world made from an NVSHMEM unique id handed out by the
+    scheduler: ``distributed.LocalCluster`` Nanny processes (``kind`` "local", backend named), or dask-cuda's
+    ``LocalCUDACluster`` as a user starts it ("dask-cuda": one worker per GPU, default backends)."""
     from distributed import Client, LocalCluster
 
     import dask_pgas
 
     os.environ.setdefault("DASK_PGAS__COLLECTIVE_TIMEOUT", "60s")  # inherited by the worker processes
-    cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, memory_limit=0,
-                           dashboard_address=None)
+    if kind == "dask-cuda":
+        from dask_cuda import LocalCUDACluster
+
+        cluster, backends = LocalCUDACluster(n_workers=n_workers, dashboard_address=None), None
+    else:
+        cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, memory_limit=0,
+                               dashboard_address=None)
+        backends = ["nvshmem"]
     with Client(cluster) as client:
-        dask_pgas.bootstrap(client, backends=["nvshmem"])
+        world = dask_pgas.bootstrap(client, backends=backends)
         sizes = {w: i["mpi_size"] for w, i in dask_pgas.world(client, detail=True).info.items()}
-    # not one MPI job (a worker that touched mpi4py is an MPI singleton: a world of its own)
-    if any(n not in (None, 1) for n in sizes.values()):
+    # not one MPI job (a worker that touched mpi4py is an MPI singleton: a world of its own), on NVSHMEM
+    if any(n not in (None, 1) for n in sizes.values()) or list(world.backends) != ["nvshmem"]:
         cluster.close()
-        raise RuntimeError(f"expected workers outside one MPI job, got MPI world sizes {sizes}")
-    return cluster
-
-
-def _dask_cuda_cluster(n_workers: int):
-    """dask-cuda's ``LocalCUDACluster`` as a user starts it (one Nanny worker per GPU, so at most as many workers
-    as GPUs), bootstrapped with the default backends."""
-    from dask_cuda import LocalCUDACluster
-    from distributed import Client
-
-    import dask_pgas
-
-    os.environ.setdefault("DASK_PGAS__COLLECTIVE_TIMEOUT", "60s")  # inherited by the worker processes
-    cluster = LocalCUDACluster(n_workers=n_workers, dashboard_address=None)
-    with Client(cluster) as client:
-        world = dask_pgas.bootstrap(client)
-    if list(world.backends) != ["nvshmem"]:
-        cluster.close()
-        raise RuntimeError(f"expected the nvshmem backend on dask-cuda workers, got {world.backends}")
+        raise RuntimeError(f"expected workers outside one MPI job on nvshmem, got MPI world sizes {sizes} and "
+                           f"backends {world.backends}")
     return cluster
 
 
@@ -58,10 +48,8 @@ def pgas_cluster():
     from ._xp import BACKEND, GPU_WORKERS, NWORKERS
 
     kind = os.environ.get("DASK_PGAS_TEST_CLUSTER")
-    if GPU_WORKERS and kind == "local":
-        cluster = _nanny_cluster(NWORKERS)
-    elif GPU_WORKERS and kind == "dask-cuda":
-        cluster = _dask_cuda_cluster(NWORKERS)
+    if GPU_WORKERS and kind in ("local", "dask-cuda"):
+        cluster = _nanny_cluster(NWORKERS, kind)
     else:
         cluster = dask_pgas.LocalMPICluster(
             n_workers=NWORKERS, env={"DASK_PGAS__COLLECTIVE_TIMEOUT": "60s"}, backends=[BACKEND],
