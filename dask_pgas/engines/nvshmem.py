@@ -23,6 +23,7 @@ import socket
 import struct
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -758,14 +759,7 @@ class NVSHMEMReshapePlan(ReshapePlan):
         _trace(spec.rank, f"plan mode={self.mode} in={spec.input_box} out={spec.output_box} "
                           f"word={self.layout.word_size if self.layout else None}")
         if self.mode == "cufftmp":
-            try:
-                # the local steps agree before the collective Make: a rank that failed would not enter it
-                _agreed(engine.control, "preparing the cuFFTMp reshape", self._create_cufftmp)
-                _agreed(engine.control, "planning the cuFFTMp reshape", self._make_cufftmp)
-            except CollectiveError:
-                self._handle = 0  # Make did not complete everywhere: a collective Destroy could hang; leave it
-                self.free()
-                raise
+            self._set_up_cufftmp()
             ws = max(engine.control.allgather(getattr(self, "_ws_local", 0)))
             _trace(spec.rank, f"plan workspace={ws}")
             if ws:
@@ -775,6 +769,45 @@ class NVSHMEMReshapePlan(ReshapePlan):
                     self.free()                           # unreadable free size) before the collective malloc
                     raise
 
+    def _set_up_cufftmp(self) -> None:
+        """Create and make the handle, each step agreed before the next, so no rank enters the collective Make
+        alone. On failure every rank raises the same :class:`CollectiveError` and its handle is destroyed where
+        that cannot hang. cuFFTMp 12 on the H200 (scripts/gpu/probe_handle.py, docs/gpu-validation.md round 16):
+        Destroy before Make returns at once on a rank alone, and so does Destroy after a Make that failed on every
+        rank; a Make refused on one rank (a bad box) leaves the others blocked inside it, so the boxes must be
+        valid everywhere: every rank computes them from the same agreed layout."""
+        control = self.engine.control
+        try:
+            _agreed(control, "preparing the cuFFTMp reshape", self._create_cufftmp)
+        except CollectiveError as exc:
+            if self._handle:  # created here, made nowhere: Destroy is local, so this rank destroys it alone
+                handle, self._handle = self._handle, 0
+                try:
+                    self._cf.destroy(handle)
+                except Exception as destroy_exc:  # the agreed error stays the one every rank raises
+                    warnings.warn(f"destroying this rank's unmade cuFFTMp handle failed too ({destroy_exc}) "
+                                  f"after: {exc}", RuntimeWarning, stacklevel=2)
+            self.free()
+            raise
+        made = None
+        try:
+            self._make_cufftmp()
+        except Exception as exc:
+            made = f"{type(exc).__name__}: {exc}"
+        if bad := control.agree(made):
+            if len(bad) < control.size:
+                # Make completed on some ranks only: their handles hold collective state whose Destroy would wait
+                # for the ranks without it, and the failed ones' state is unknown. Not seen (a bad Make fails
+                # before its collective part, on the H200); every rank leaves its handle.
+                self._handle = 0
+            self.free()
+            raise CollectiveError(f"planning the cuFFTMp reshape failed on rank {bad[0][0]}: {bad[0][1]}")
+        try:  # made on every rank: from here free() destroys collectively, on every rank alike
+            _agreed(control, "sizing the cuFFTMp workspace", self._size_workspace)
+        except CollectiveError:
+            self.free()
+            raise
+
     def _create_cufftmp(self) -> None:
         """Local: load cuFFTMp and create the handle."""
         from ..bindings import cufftmp
@@ -783,13 +816,17 @@ class NVSHMEMReshapePlan(ReshapePlan):
         self._handle = self._cf.create()
 
     def _make_cufftmp(self) -> None:
-        """Collective (cufftMpMakeReshape); then the local workspace size."""
+        """Collective (cufftMpMakeReshape)."""
         cf, lay, me = self._cf, self.layout, self.spec.rank
         lo_i, up_i, st_i = lay.input[me]
         lo_o, up_o, st_o = lay.output[me]
         cf.make(self._handle, lay.word_size, lo_i, up_i, st_i, lo_o, up_o, st_o)
-        ws = cf.workspace_size(self._handle)
-        if ws:  # in practice 0; a rank needing one makes every rank allocate the same size below
+
+    def _size_workspace(self) -> None:
+        """Local: the workspace this rank's part needs (in practice 0; a rank needing one makes every rank
+        allocate the same size)."""
+        ws = self._cf.workspace_size(self._handle)
+        if ws:
             self._ws_local = ws
 
     # -- execution ------------------------------------------------------------------------------------------
@@ -884,7 +921,7 @@ class NVSHMEMReshapePlan(ReshapePlan):
             if self in eng._plans:
                 eng._plans.remove(self)
         eng.drv.ctx_synchronize()
-        error, destroyed = None, bool(self._handle)  # a handle on every PE or on none (see __init__)
+        error, destroyed = None, bool(self._handle)  # a handle on every PE or on none (_set_up_cufftmp)
         if self._handle:
             handle, self._handle = self._handle, 0
             try:

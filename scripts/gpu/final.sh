@@ -33,6 +33,7 @@
 #             bootstrap), the dask-cuda example, gpu_checks at 2 PEs
 #   bind      which GPU each PE took, and whether bootstrap warned, on LocalMPICluster(gpus=1) and LocalCluster
 #             workers (2 each; one GPU visible to each, so no warning is expected)
+#   handle    what cuFFTMp's reshape handle does after a failed set-up (scripts/gpu/probe_handle.py, 2 PEs)
 #   daskcuda  dask-cuda's LocalCUDACluster (workers not launched by MPI, default backends): the Dask suite on 1
 #             worker (one per GPU), then examples/dask_cuda_rechunk.py (the dask-cuda wheel travels in .whl, `pip
 #             download --no-deps dask-cuda`: the host has its dependencies cuda-core and nvidia-ml-py)
@@ -203,6 +204,12 @@ job_heap() {
       NVSHMEM_DISABLE_CUDA_VMM=1 $MPIRUN -n $np_ python3 scripts/gpu/probe_heap_full.py
   done
   grep -h "^HEAP\|^--- fixed" "$OUT/heap.log" >>"$S"
+}
+job_handle() {
+  for case in unmade badmake onebad; do
+    step "handle probe $case np=2" 40 "$OUT/handle.log" $MPIRUN -n 2 python3 scripts/gpu/probe_handle.py --case $case
+  done
+  grep -h "^HANDLE" "$OUT/handle.log" >>"$S"
 }
 job_daskcuda() {
   python3 -c "import dask_cuda, cuda.core; print('dask_cuda', dask_cuda.__version__, 'cuda.core', cuda.core.__version__)" >>"$S" 2>&1

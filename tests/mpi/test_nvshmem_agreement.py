@@ -32,7 +32,12 @@ EXPECTED = {
     "plan: cufftMpCreateReshape fails on one rank": "CollectiveError",
     "plan: healthy after the failed create": "none",
     "plan: cufftMpMakeReshape fails on one rank": "CollectiveError",
+    "plan: the handles made where Make completed are left": "none",
     "plan: healthy after the failed make": "none",
+    "plan: cufftMpMakeReshape fails on every rank": "CollectiveError",
+    "plan: healthy after the make that failed everywhere": "none",
+    "plan: cufftMpGetReshapeSize fails on one rank": "CollectiveError",
+    "plan: healthy after the failed workspace query": "none",
     "plan: cufftMpDestroyReshape fails on one rank": "CollectiveError",
     "plan: no leak after the failed destroy": "none",
     "peer: viewing memory fails on one rank": "CollectiveError",
@@ -80,8 +85,8 @@ def test_gpu_engine_agrees_before_collectives(nranks):
         calls.setdefault(o["case"], []).append(o["calls"])
     never = {  # collectives no rank may enter after the local failure (nor Destroy after an incomplete Make)
         "execute: host-to-device copy fails on one rank": ("execute",),
-        "plan: loading cuFFTMp fails on one rank": ("make", "destroy"),
-        "plan: cufftMpCreateReshape fails on one rank": ("make", "destroy"),
+        "plan: loading cuFFTMp fails on one rank": ("make",),
+        "plan: cufftMpCreateReshape fails on one rank": ("make",),
         "plan: cufftMpMakeReshape fails on one rank": ("destroy",),
         "bring-up: making the device current fails on one rank": ("init",),
         "dtype: torch has no such dtype, on every rank": ("malloc",),
@@ -92,5 +97,15 @@ def test_gpu_engine_agrees_before_collectives(nranks):
     }
     for name, forbidden in never.items():
         assert not [c for c in calls[name] for f in forbidden if c.get(f)], (name, calls[name])
+    # handles are destroyed where that cannot hang: after a failed Create on the ranks that created one (Destroy of
+    # an unmade handle is local), after a Make that failed everywhere, or a failed size query, on every rank
+    destroys = {name: {o["rank"]: o["calls"].get("destroy", 0) for o in json_lines(result, "CASE") if o["case"] == name}
+                for name in ("plan: loading cuFFTMp fails on one rank", "plan: cufftMpCreateReshape fails on one rank",
+                             "plan: cufftMpMakeReshape fails on every rank",
+                             "plan: cufftMpGetReshapeSize fails on one rank")}
+    for name in ("plan: loading cuFFTMp fails on one rank", "plan: cufftMpCreateReshape fails on one rank"):
+        assert destroys[name] == {r: int(r != nranks - 1) for r in range(nranks)}, (name, destroys[name])
+    assert destroys["plan: cufftMpMakeReshape fails on every rank"] == dict.fromkeys(range(nranks), 1)
+    assert destroys["plan: cufftMpGetReshapeSize fails on one rank"] == dict.fromkeys(range(nranks), 1)
     # the refused workspace's plan is destroyed on every rank (collective, so all or none)
     assert all(c.get("destroy") == 1 for c in calls["plan: a workspace past the heap cap is refused on every rank"])

@@ -120,26 +120,36 @@ class FakeDriver:
 
 
 class FakeCuFFTMp:
-    fail = None  # "create", "make", "execute" or "destroy": this rank's call raises (collectives: after the barrier)
+    """As measured on the H200 (scripts/gpu/probe_handle.py): Make and the Destroy of a made handle are collective,
+    the Destroy of a handle that was never made is local. ``handles``: this rank's live handles -> made."""
+
+    fail = None  # "create", "make", "workspace", "execute" or "destroy": this rank's call raises (collectives: after
+    #              the barrier, i.e. a Make that fails on one rank completes on the others)
     workspace = 0  # bytes of workspace this rank's plans ask for
     last_workspace = None  # the workspace pointer of the last execute
 
     def __init__(self):
         self.calls = collections.Counter()
+        self.handles, self._next = {}, 1
 
     def create(self):
         self.calls["create"] += 1
         if self.fail == "create":
             raise RuntimeError("cufftMpCreateReshape failed (fake)")
-        return 1
+        handle, self._next = self._next, self._next + 1
+        self.handles[handle] = False
+        return handle
 
     def make(self, handle, word, *boxes):
         self.calls["make"] += 1
         LIB.Barrier()
         if self.fail == "make":
             raise RuntimeError("cufftMpMakeReshape failed (fake)")
+        self.handles[handle] = True
 
     def workspace_size(self, handle):
+        if self.fail == "workspace":
+            raise RuntimeError("cufftMpGetReshapeSize failed (fake)")
         return self.workspace
 
     def execute(self, handle, out, inp, workspace, stream):
@@ -149,7 +159,8 @@ class FakeCuFFTMp:
 
     def destroy(self, handle):
         self.calls["destroy"] += 1
-        LIB.Barrier()
+        if self.handles.pop(handle):
+            LIB.Barrier()
         if self.fail == "destroy":
             raise RuntimeError("cufftMpDestroyReshape failed (fake)")
 
@@ -306,10 +317,25 @@ def failing(where, what):
 
 
 def healthy():
-    """A valid reshape right after a case: nobody is stuck, nothing leaked."""
+    """A valid reshape right after a case: nobody is stuck, nothing leaked (heap blocks, cuFFTMp handles)."""
     result = reshape(np.zeros(col().shape), col(), row())
     assert result.shape == row().shape
     assert ENGINE.heap_info()["heap_allocations"] == 0, ENGINE.heap_info()
+    assert not CF.handles, f"cuFFTMp handles left: {CF.handles}"
+
+
+def failing_everywhere(where, what):
+    """``failing`` with ``what`` failing on every rank."""
+    where.fail = what
+    reshape(np.zeros(col().shape), col(), row())
+
+
+def leaked_handles(made):
+    """After a Make that completed on some ranks only, every rank keeps its one handle: made where Make completed
+    (its Destroy would wait for the others), unmade where it failed (its state is unknown). Forgets them, so that
+    later cases start clean."""
+    assert list(CF.handles.values()) == [made], CF.handles
+    CF.handles.clear()
 
 
 case("execute: host-to-device copy fails on one rank", lambda: failing(DRV, "h2d"))
@@ -319,7 +345,12 @@ case("plan: loading cuFFTMp fails on one rank", lambda: failing("load", None))
 case("plan: cufftMpCreateReshape fails on one rank", lambda: failing(CF, "create"))
 case("plan: healthy after the failed create", healthy)
 case("plan: cufftMpMakeReshape fails on one rank", lambda: failing(CF, "make"))
+case("plan: the handles made where Make completed are left", lambda: leaked_handles(RANK != LAST))
 case("plan: healthy after the failed make", healthy)
+case("plan: cufftMpMakeReshape fails on every rank", lambda: failing_everywhere(CF, "make"))
+case("plan: healthy after the make that failed everywhere", healthy)
+case("plan: cufftMpGetReshapeSize fails on one rank", lambda: failing(CF, "workspace"))
+case("plan: healthy after the failed workspace query", healthy)
 case("plan: cufftMpDestroyReshape fails on one rank", lambda: failing(CF, "destroy"))
 case("plan: no leak after the failed destroy", healthy)
 
