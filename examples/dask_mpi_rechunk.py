@@ -3,12 +3,16 @@
     mpiexec -n 5 python examples/dask_mpi_rechunk.py
 
 Rank 0 runs the scheduler, rank 1 this client code, ranks 2..4 one ``distributed.Worker`` each (the worker IS
-the MPI process: no Nanny). ``dask_pgas.bootstrap`` builds a communicator of the worker ranks only and brings
-the PGAS runtime up on each worker; ``dask_pgas.rechunk`` then moves the data in one collective.
+the MPI process: no Nanny); any ``-n`` of at least 3 works, with ``n - 2`` workers. ``dask_pgas.bootstrap``
+builds a communicator of the worker ranks only and brings the PGAS runtime up on each worker;
+``dask_pgas.rechunk`` then moves the data in one collective.
 """
 
 import dask_mpi
+from mpi4py import MPI
 
+if MPI.COMM_WORLD.size < 3:
+    raise SystemExit("dask_mpi_rechunk.py needs at least 3 MPI ranks (scheduler, client, one worker or more)")
 dask_mpi.initialize(nthreads=1, worker_class="distributed.Worker", dashboard=False)
 
 import dask.array as da  # noqa: E402
@@ -18,7 +22,7 @@ from distributed import Client  # noqa: E402
 import dask_pgas  # noqa: E402
 
 with Client() as client:
-    client.wait_for_workers(3)
+    client.wait_for_workers(MPI.COMM_WORLD.size - 2, timeout=120)  # every worker rank, so the world is all of them
     world = dask_pgas.bootstrap(client)
     print(world, flush=True)
     n = 3000
