@@ -726,6 +726,7 @@ class NVSHMEMReshapePlan(ReshapePlan):
 
         self.engine, self.spec = engine, spec
         self._handle = 0
+        self._made = False  # Make completed here: Destroy is collective from then on
         self._workspace: Allocation | None = None
         self._stage: tuple[Allocation, Allocation] | None = None
         self._last_stream = 0
@@ -770,41 +771,24 @@ class NVSHMEMReshapePlan(ReshapePlan):
                     raise
 
     def _set_up_cufftmp(self) -> None:
-        """Create and make the handle, each step agreed before the next, so no rank enters the collective Make
-        alone. On failure every rank raises the same :class:`CollectiveError` and its handle is destroyed where
-        that cannot hang. cuFFTMp 12 on the H200 (scripts/gpu/probe_handle.py, docs/gpu-validation.md round 16):
-        Destroy before Make returns at once on a rank alone, and so does Destroy after a Make that failed on every
-        rank; a Make refused on one rank (a bad box) leaves the others blocked inside it, so the boxes must be
-        valid everywhere: every rank computes them from the same agreed layout."""
+        """Create and make the handle (and size its workspace), each step agreed before the next, so no rank
+        enters the collective Make alone. On failure every rank raises the same :class:`CollectiveError`, and
+        ``free()`` destroys the handles where that cannot hang. cuFFTMp 12 on the H200
+        (scripts/gpu/probe_handle.py, docs/gpu-validation.md round 16): Destroy of a handle never made returns at
+        once on a rank alone, and so does Destroy after a Make that failed on every rank; a Make refused on one
+        rank (a bad box) leaves the others blocked inside it, so the boxes must be valid everywhere: every rank
+        computes them from the same agreed layout."""
         control = self.engine.control
         try:
             _agreed(control, "preparing the cuFFTMp reshape", self._create_cufftmp)
-        except CollectiveError as exc:
-            if self._handle:  # created here, made nowhere: Destroy is local, so this rank destroys it alone
-                handle, self._handle = self._handle, 0
-                try:
-                    self._cf.destroy(handle)
-                except Exception as destroy_exc:  # the agreed error stays the one every rank raises
-                    warnings.warn(f"destroying this rank's unmade cuFFTMp handle failed too ({destroy_exc}) "
-                                  f"after: {exc}", RuntimeWarning, stacklevel=2)
-            self.free()
-            raise
-        made = None
-        try:
-            self._make_cufftmp()
-        except Exception as exc:
-            made = f"{type(exc).__name__}: {exc}"
-        if bad := control.agree(made):
-            if len(bad) < control.size:
+            _agreed(control, "planning the cuFFTMp reshape", self._make_cufftmp)
+        except CollectiveError:
+            made = control.allgather(self._made)  # the same on every rank: they all raise here
+            if any(made) and not all(made):
                 # Make completed on some ranks only: their handles hold collective state whose Destroy would wait
                 # for the ranks without it, and the failed ones' state is unknown. Not seen (a bad Make fails
                 # before its collective part, on the H200); every rank leaves its handle.
                 self._handle = 0
-            self.free()
-            raise CollectiveError(f"planning the cuFFTMp reshape failed on rank {bad[0][0]}: {bad[0][1]}")
-        try:  # made on every rank: from here free() destroys collectively, on every rank alike
-            _agreed(control, "sizing the cuFFTMp workspace", self._size_workspace)
-        except CollectiveError:
             self.free()
             raise
 
@@ -816,17 +800,14 @@ class NVSHMEMReshapePlan(ReshapePlan):
         self._handle = self._cf.create()
 
     def _make_cufftmp(self) -> None:
-        """Collective (cufftMpMakeReshape)."""
+        """Collective (cufftMpMakeReshape); then the local workspace size."""
         cf, lay, me = self._cf, self.layout, self.spec.rank
         lo_i, up_i, st_i = lay.input[me]
         lo_o, up_o, st_o = lay.output[me]
         cf.make(self._handle, lay.word_size, lo_i, up_i, st_i, lo_o, up_o, st_o)
-
-    def _size_workspace(self) -> None:
-        """Local: the workspace this rank's part needs (in practice 0; a rank needing one makes every rank
-        allocate the same size)."""
-        ws = self._cf.workspace_size(self._handle)
-        if ws:
+        self._made = True
+        ws = cf.workspace_size(self._handle)
+        if ws:  # in practice 0; a rank needing one makes every rank allocate the same size
             self._ws_local = ws
 
     # -- execution ------------------------------------------------------------------------------------------
@@ -921,13 +902,17 @@ class NVSHMEMReshapePlan(ReshapePlan):
             if self in eng._plans:
                 eng._plans.remove(self)
         eng.drv.ctx_synchronize()
-        error, destroyed = None, bool(self._handle)  # a handle on every PE or on none (_set_up_cufftmp)
+        # a made handle on every PE or on none (_set_up_cufftmp); one never made is destroyed locally
+        error, collective = None, bool(self._handle) and self._made
         if self._handle:
             handle, self._handle = self._handle, 0
             try:
                 self._cf.destroy(handle)
             except Exception as exc:  # the buffers below are freed on every PE all the same (collective frees)
                 error = f"{type(exc).__name__}: {exc}"
+                if not collective:  # only a failed set-up gets here, and raises its agreed error on every rank
+                    warnings.warn(f"destroying an unmade cuFFTMp handle failed: {error}", RuntimeWarning,
+                                  stacklevel=2)
         if self._workspace is not None:
             eng.free(self._workspace)
             self._workspace = None
@@ -935,7 +920,7 @@ class NVSHMEMReshapePlan(ReshapePlan):
             for a in self._stage:
                 eng.free(a)
             self._stage = None
-        if destroyed and (bad := eng.control.agree(error)):
+        if collective and (bad := eng.control.agree(error)):
             raise CollectiveError(f"destroying the cuFFTMp reshape failed on rank {bad[0][0]}: {bad[0][1]}")
 
 

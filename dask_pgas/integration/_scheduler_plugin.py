@@ -228,7 +228,6 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                     # one host: NVSHMEM's one-node defaults (no remote transport, bootstrap over loopback), as the
                     # MPI path sets them from the ranks' host names
                     single = len({infos[w].get("host") for w in order}) == 1
-                    uid = None
                     try:
                         uid = await asyncio.wait_for(
                             self.scheduler.rpc(order[0]).pgas_uniqueid(single_node=single), timeout
@@ -237,7 +236,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                         raise
                     except Exception as exc:  # no unique id on PE 0 (no GPU, no NVSHMEM): no PE was started;
                         res = {order[0]: exc}  # reported as a failed init (it reached the client as a bare error)
-                    if uid is not None:
+                    else:
                         coros = [
                             self.scheduler.rpc(w).pgas_init(
                                 epoch=epoch, ranks=None, backends=backends, uid=uid, pe=pe, npes=len(order),

@@ -206,7 +206,7 @@ job_heap() {
   grep -h "^HEAP\|^--- fixed" "$OUT/heap.log" >>"$S"
 }
 job_handle() {
-  for case in unmade badmake onebad; do
+  for case in unmade badmake onebad; do  # onebad: a FAIL(rc=124) is the answer (the valid rank stays inside Make)
     step "handle probe $case np=2" 40 "$OUT/handle.log" $MPIRUN -n 2 python3 scripts/gpu/probe_handle.py --case $case
   done
   grep -h "^HANDLE" "$OUT/handle.log" >>"$S"

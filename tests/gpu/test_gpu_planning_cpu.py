@@ -471,7 +471,6 @@ def test_plan_mode_decisions(monkeypatch, ins, outs, itemsize, mode):
     eng.control = type("C", (ControlPlane,), {"rank": 0, "size": 2, "allgather": lambda self, o: [o, o]})()
     monkeypatch.setattr(eng_mod.NVSHMEMReshapePlan, "_create_cufftmp", lambda self: None)
     monkeypatch.setattr(eng_mod.NVSHMEMReshapePlan, "_make_cufftmp", lambda self: None)
-    monkeypatch.setattr(eng_mod.NVSHMEMReshapePlan, "_size_workspace", lambda self: None)
     spec = ReshapeSpec(tuple(ins), tuple(outs), np.dtype(f"V{itemsize}"), "C", 0)
     plan = eng.plan_reshape(spec)
     assert plan.mode == mode

@@ -99,13 +99,12 @@ def test_gpu_engine_agrees_before_collectives(nranks):
         assert not [c for c in calls[name] for f in forbidden if c.get(f)], (name, calls[name])
     # handles are destroyed where that cannot hang: after a failed Create on the ranks that created one (Destroy of
     # an unmade handle is local), after a Make that failed everywhere, or a failed size query, on every rank
-    destroys = {name: {o["rank"]: o["calls"].get("destroy", 0) for o in json_lines(result, "CASE") if o["case"] == name}
-                for name in ("plan: loading cuFFTMp fails on one rank", "plan: cufftMpCreateReshape fails on one rank",
-                             "plan: cufftMpMakeReshape fails on every rank",
-                             "plan: cufftMpGetReshapeSize fails on one rank")}
+    def destroys(name):  # per rank: ``calls`` lists each case's ranks in rank order (rank 0 prints the gather)
+        return {rank: c.get("destroy", 0) for rank, c in enumerate(calls[name])}
+
     for name in ("plan: loading cuFFTMp fails on one rank", "plan: cufftMpCreateReshape fails on one rank"):
-        assert destroys[name] == {r: int(r != nranks - 1) for r in range(nranks)}, (name, destroys[name])
-    assert destroys["plan: cufftMpMakeReshape fails on every rank"] == dict.fromkeys(range(nranks), 1)
-    assert destroys["plan: cufftMpGetReshapeSize fails on one rank"] == dict.fromkeys(range(nranks), 1)
+        assert destroys(name) == {r: int(r != nranks - 1) for r in range(nranks)}, (name, destroys(name))
+    assert destroys("plan: cufftMpMakeReshape fails on every rank") == dict.fromkeys(range(nranks), 1)
+    assert destroys("plan: cufftMpGetReshapeSize fails on one rank") == dict.fromkeys(range(nranks), 1)
     # the refused workspace's plan is destroyed on every rank (collective, so all or none)
     assert all(c.get("destroy") == 1 for c in calls["plan: a workspace past the heap cap is refused on every rank"])
