@@ -75,9 +75,9 @@ class BarrierTask(_Unfused):
     __slots__ = ()
 
 
-def transfer(name: str, pe: int, epoch: int, spec: RunSpec, pieces: tuple, *arrays: Any) -> int:
+def transfer(name: str, pe: int, epoch: int, npes: int, spec: RunSpec, pieces: tuple, *arrays: Any) -> int:
     """On PE ``pe``: hand references to this PE's input chunks to the plugin (no copy, no waiting)."""
-    get_plugin().stage(name, pe, epoch, spec, pieces, arrays)
+    get_plugin().stage(name, pe, epoch, npes, spec, pieces, arrays)
     return pe
 
 
@@ -93,18 +93,18 @@ def barrier(name: str, epoch: int, *transfers: int) -> int:
     return result["run"]
 
 
-def output(name: str, pe: int, epoch: int, box_slices: tuple, whole: bool, run: int) -> Any:
+def output(name: str, pe: int, epoch: int, npes: int, box_slices: tuple, whole: bool, run: int) -> Any:
     """On PE ``pe``: this output chunk, cut out of the PE's output box once run ``run`` has ended there."""
-    return get_plugin().take(name, pe, epoch, box_slices, whole, run)
+    return get_plugin().take(name, pe, epoch, npes, box_slices, whole, run)
 
 
-def assemble(pe: int, epoch: int, shape: tuple, dtype: Any, pieces: tuple, *arrays: Any) -> Any:
+def assemble(pe: int, epoch: int, npes: int, shape: tuple, dtype: Any, pieces: tuple, *arrays: Any) -> Any:
     """On PE ``pe``: an output chunk of the array's ``dtype`` (an ``np.dtype``: ``dtype.str`` loses a struct's
     fields) built from input chunk pieces that are already on this PE (local plan). (Dask can hand over chunks
     whose byte order differs from the array's dtype.)"""
     import numpy as np
 
-    get_plugin().check(pe, epoch)
+    get_plugin().check(pe, epoch, npes)
     if len(pieces) == 1:
         view = arrays[0][pieces[0][0]]
         if view.shape == tuple(shape) and view.dtype == dtype:
@@ -137,7 +137,7 @@ def build_graph(x, plan, name: str, epoch: int, spec: RunSpec) -> dict:
             ref, chunk_slices = _source(dsk, x, token, (pe,), p.index, p.chunk_slices, p.index in cut)
             refs.append(ref)
             slices.append((chunk_slices, p.box_slices))
-        dsk[key] = PinnedTask(key, transfer, name, pe, epoch, spec, tuple(slices), *refs, pe=pe, epoch=epoch,
+        dsk[key] = PinnedTask(key, transfer, name, pe, epoch, plan.npes, spec, tuple(slices), *refs, pe=pe, epoch=epoch,
                               npes=plan.npes)
     dsk[bname] = BarrierTask(bname, barrier, name, epoch, *(TaskRef((tname, pe)) for pe in range(plan.npes)))
     done = set()
@@ -146,7 +146,7 @@ def build_graph(x, plan, name: str, epoch: int, spec: RunSpec) -> dict:
         for p in pieces:
             key = (name, *p.index)
             whole = tuple(s.stop - s.start for s in p.box_slices) == box.shape
-            dsk[key] = PinnedTask(key, output, name, pe, epoch, p.box_slices, whole, TaskRef(bname),
+            dsk[key] = PinnedTask(key, output, name, pe, epoch, plan.npes, p.box_slices, whole, TaskRef(bname),
                                   pe=pe, epoch=epoch, npes=plan.npes)
             done.add(p.index)
     for index in np.ndindex(*(len(c) for c in plan.chunks_out)):
@@ -190,6 +190,6 @@ def build_local_graph(x, plan, name: str, epoch: int) -> dict:
             ref, chunk_slices = _source(dsk, x, token, index, src, chunk_slices, src in cut)
             refs.append(ref)
             slices.append((chunk_slices, out_slices))
-        dsk[key] = PinnedTask(key, assemble, pe, epoch, shape, x.dtype, tuple(slices), *refs, pe=pe,
+        dsk[key] = PinnedTask(key, assemble, pe, epoch, plan.npes, shape, x.dtype, tuple(slices), *refs, pe=pe,
                               epoch=epoch, npes=plan.npes)
     return dsk

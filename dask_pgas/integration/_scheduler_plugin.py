@@ -460,7 +460,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             if ts is None or not isinstance(ts.run_spec, PinnedTask):
                 continue
             spec = ts.run_spec
-            if self.broken or spec.epoch != self.epoch or not self.world or spec.pe >= len(self.world):
+            if self.broken or spec.epoch != self.epoch or spec.npes != len(self.world):
                 continue  # the task itself raises a clear error wherever it runs
             addr = self.world[spec.pe]
             ts.worker_restrictions = {addr}

@@ -231,7 +231,7 @@ class PGASWorkerPlugin(WorkerPlugin):
             self._staged.pop("pgas-rechunk-" + key[0][len("pgas-transfer-"):], None)
 
     # ---------------------------------------------------------------- state seen by tasks
-    def check(self, pe: int, epoch: int) -> None:
+    def check(self, pe: int, epoch: int, npes: int) -> None:
         if self.broken:
             raise PGASWorldError(self.broken)
         if self.epoch is None:
@@ -243,25 +243,30 @@ class PGASWorkerPlugin(WorkerPlugin):
                 f"this rechunk was planned for PGAS world #{epoch} but the cluster now runs world #{self.epoch} "
                 "(dask_pgas.bootstrap ran again): build the rechunk again"
             )
+        if npes != self.npes:  # (the same epoch number on another cluster)
+            raise PGASWorldError(
+                f"this rechunk was planned for a PGAS world of {npes} PEs but this cluster's world has "
+                f"{self.npes}: it was built with another cluster's client; build it again with this cluster's"
+            )
         if pe != self.pe:
             raise PGASWorldError(
                 f"a task pinned to PE {pe} ran on {self.worker.address} (PE {self.pe}); the scheduler plugin "
                 "is missing: call dask_pgas.bootstrap(client) before computing"
             )
 
-    def stage(self, name: str, pe: int, epoch: int, spec: RunSpec, pieces: tuple, arrays: tuple) -> None:
-        self.check(pe, epoch)
+    def stage(self, name: str, pe: int, epoch: int, npes: int, spec: RunSpec, pieces: tuple, arrays: tuple) -> None:
+        self.check(pe, epoch, npes)
         with self._lock:
             self._staged[name] = (spec, pieces, arrays)
 
-    def take(self, name: str, pe: int, epoch: int, box_slices: tuple, whole: bool, run: int) -> Any:
+    def take(self, name: str, pe: int, epoch: int, npes: int, box_slices: tuple, whole: bool, run: int) -> Any:
         """This PE's slice of run ``run``'s output box; waits for the run to end here.
 
         Output tasks are released as soon as every transfer task is done (the run has been started then), so
         Dask dispatches them while the collective runs; they wait only for that running collective, never for
         other tasks, and a failed or broken run wakes them with its error.
         """
-        self.check(pe, epoch)
+        self.check(pe, epoch, npes)
         with self._lock:
             done = self._done.get(run)
             if done is None and run >= self._next_seq and run not in self._dropped:  # not started here yet

@@ -552,6 +552,36 @@ def test_computed_with_another_scheduler_says_so(client, local):
     assert host(y.compute()).sum() == host(x.sum().compute())  # the cluster computes it all the same
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("local", [True, False], ids=["local-plan", "collective"])
+@pytest.mark.parametrize("other", [-1, 1], ids=["smaller", "larger"])
+def test_built_for_a_cluster_of_another_size_says_so(client, monkeypatch, local, other):
+    """A lazy pgas rechunk built with one cluster's client and computed on a cluster of another size (both
+    worlds are #1) fails with that reason on the tasks it pins, not with "no input staged" from the collective
+    of a PE the plan never had; the input stays computable and the world usable."""
+    from dask_pgas.errors import PGASWorldError
+    from dask_pgas.integration import _rechunk
+
+    real = _rechunk._world
+
+    def world_of_another_size(client, x=None):
+        world = real(client, x)
+        workers = list(world["workers"])
+        world["workers"] = workers[:other] if other < 0 else workers + ["tcp://elsewhere:1"] * other
+        return world
+
+    x = on_device(da.arange(NWORKERS * 40, chunks=40).reshape(NWORKERS * 4, 10).rechunk((4, 10))).persist()
+    with monkeypatch.context() as m, dask.config.set({"pgas.local-rechunk": local}):
+        m.setattr(_rechunk, "_world", world_of_another_size)
+        y = dask_pgas.rechunk(x, (NWORKERS * 4, 5))
+    with pytest.raises(PGASWorldError, match=f"world of {NWORKERS + other} PEs but this cluster's world has "
+                                             f"{NWORKERS}: it was built with another cluster's client"):
+        y.compute()
+    assert host(x.compute()).sum() == sum(range(NWORKERS * 40))
+    assert dask_pgas.world(client).broken is None
+    np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (NWORKERS * 4, 5)).compute()), host(x.compute()))
+
+
 @cpu_only
 @pytest.mark.parametrize("shape, cin, spec", [
     ((), (), ()),                                          # 0-d

@@ -52,7 +52,7 @@ def test_forget_before_the_run_started_here_marks_it_dropped(plugin):
     plugin._h_forget("pgas-rechunk-a", run=3, epoch=1)
     assert plugin._dropped == {3}
     with pytest.raises(PGASWorldError, match="is not on"):  # an output task of the released attempt
-        plugin.take("pgas-rechunk-a", 0, 1, (), True, 3)
+        plugin.take("pgas-rechunk-a", 0, 1, 2, (), True, 3)
     assert plugin._done == {}
 
 
@@ -151,7 +151,7 @@ def test_transfer_cancelled_while_it_staged_leaves_no_input(plugin, finish):
     tasks = {}
     plugin.worker.state = SimpleNamespace(tasks=tasks)
     plugin._h_forget("pgas-rechunk-a", run=None, epoch=1)  # the cancel reaches the worker first
-    plugin.stage("pgas-rechunk-a", 0, 1, "spec", (), (bytearray(10),))  # then the task thread stages
+    plugin.stage("pgas-rechunk-a", 0, 1, 2, "spec", (), (bytearray(10),))  # then the task thread stages
     tasks[key] = SimpleNamespace(state="cancelled")
     plugin.transition(key, "executing", "cancelled")  # free-keys: still executing
     plugin.transition(key, "cancelled", "released")  # (a no-op while it executes)
@@ -165,7 +165,7 @@ def test_resumed_transfer_keeps_its_input(plugin):
     """A cancelled transfer task that Dask asks for again resumes: what it stages is the new attempt's."""
     key = ("pgas-transfer-a", 0)
     plugin.worker.state = SimpleNamespace(tasks={key: SimpleNamespace(state="resumed")})
-    plugin.stage("pgas-rechunk-a", 0, 1, "spec", (), (bytearray(10),))
+    plugin.stage("pgas-rechunk-a", 0, 1, 2, "spec", (), (bytearray(10),))
     plugin.transition(key, "cancelled", "waiting")
     plugin.transition(("pgas-transfer-a", 0), "memory", "released")  # the normal end of a transfer task
     assert "pgas-rechunk-a" in plugin._staged

@@ -572,7 +572,7 @@ def run_spec(dtype):
 
 
 def stage_and_run(plugin, spec):
-    plugin.stage("run", RANK, 0, spec, ((tuple(slice(None) for _ in range(2)),) * 2,),
+    plugin.stage("run", RANK, 0, SIZE, spec, ((tuple(slice(None) for _ in range(2)),) * 2,),
                  (np.zeros(spec.input_boxes[RANK].shape),))
     return plugin._run("run", 0)
 
