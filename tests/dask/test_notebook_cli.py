@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -63,6 +64,80 @@ def test_demo_main_job():
     assert "Traceback" not in out.stderr
 
 
+# the demo, with Ctrl-C (SIGINT to its process group) while the first result is gathered
+_INTERRUPT_IN_GATHER = """
+import os, signal, sys, threading
+from distributed import Client
+from dask_pgas.cli import main
+
+gather = Client.gather
+def interrupted_gather(self, *args, **kwargs):
+    threading.Timer(0.2, os.killpg, (0, signal.SIGINT)).start()
+    return gather(self, *args, **kwargs)
+Client.gather = interrupted_gather
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_demo_interrupted_exits_quietly():
+    """Ctrl-C (SIGINT to the terminal's process group) while the demo computes: exit code 130, one line saying
+    so, no traceback (distributed's gather used to leave "Task exception was never retrieved ... AllExit"), and
+    no scheduler or worker process left."""
+    import signal
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _INTERRUPT_IN_GATHER, "demo", "--size", "64MiB", "--workers", "2", "--repeats", "1",
+         "--cpu"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # (a background job ignores it)
+    )
+    try:
+        out = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out
+    assert "dask-pgas: interrupted" in out and "Traceback" not in out and "never retrieved" not in out, out
+    assert "cols->rows" not in out  # interrupted before the first result
+    deadline = time.monotonic() + 10
+    while (left := _started_by(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left
+
+
+def _started_by(pid: int) -> list[int]:
+    """The live processes of a LocalMPICluster started by process ``pid`` (they carry its orphan-guard PID)."""
+    from dask_pgas.integration._orphan_guard import ENV
+
+    mark = f"{ENV}={pid}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def test_cli_version_and_help(capsys):
+    from dask_pgas import __version__
+    from dask_pgas.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"dask-pgas {__version__}"
+    for args in (["--help"], ["demo", "--help"], ["world", "--help"]):
+        with pytest.raises(SystemExit):
+            main(args)
+        text = capsys.readouterr().out
+        assert "``" not in text and "--help" in text
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert "the median is shown" in " ".join(capsys.readouterr().out.split())  # every option says what it does
+
+
 def _fail(block):
     raise RuntimeError("this method failed on a worker")
 
@@ -101,7 +176,9 @@ def test_cli_refuses_bad_arguments_before_starting_anything(args, message, capsy
     with pytest.raises(SystemExit) as exc:
         main(args)
     assert exc.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.startswith(f"usage: dask-pgas {args[0]} ")  # the usage of the subcommand that was wrong
 
 
 def test_cli_world_with_a_stale_scheduler_file(tmp_path, capsys):
