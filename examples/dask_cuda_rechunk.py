@@ -11,11 +11,9 @@ dask-cuda, CuPy and the NVSHMEM/cuFFTMp wheels (see the README).
 import argparse
 import math
 
-import cupy
 import dask
 import dask.array as da
 from dask.utils import format_bytes, parse_bytes
-from dask_cuda import LocalCUDACluster
 from distributed import Client, wait
 
 import dask_pgas
@@ -26,6 +24,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1GiB", help="array size (float64), default 1GiB")
     args = parser.parse_args()
+    try:  # (after the arguments: --help works anywhere)
+        import cupy
+        from dask_cuda import LocalCUDACluster
+    except ImportError as exc:
+        parser.exit(1, f"{parser.prog}: {exc}; this example needs dask-cuda and CuPy on a GPU machine: pip install "
+                       'dask-cuda, and from the checkout pip install -e ".[cuda13]" (or ".[cuda12]")\n')
 
     dask_pgas.install()  # x.rechunk(..., method="pgas") and config array.rechunk.method: pgas
     with LocalCUDACluster(dashboard_address=None) as cluster, Client(cluster) as client:

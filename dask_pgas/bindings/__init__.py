@@ -27,7 +27,11 @@ class LibraryNotFound(ImportError):
 
 
 def extra_hint() -> str:
-    return 'install the GPU extra: pip install "dask_pgas[cuda13]" (CUDA 13) or "dask_pgas[cuda12]" (CUDA 12)'
+    """How to install the GPU libraries: the wheels of the ``cuda13`` / ``cuda12`` extras (dask_pgas itself is
+    not on PyPI, so ``dask_pgas[cuda13]`` works only from a checkout)."""
+    return ("install the GPU wheels of your CUDA major: pip install cupy-cuda13x nvidia-nvshmem-cu13 "
+            "nvidia-cufftmp-cu13 (CUDA 13) or cupy-cuda12x nvidia-nvshmem-cu12 nvidia-cufftmp-cu12 (CUDA 12); "
+            'from a checkout: pip install -e ".[cuda13]"')
 
 
 def find_in_site_packages(relpaths: list[str], env: str | None = None) -> str | None:

@@ -46,9 +46,6 @@ __all__ = [
     "stream_handle",
 ]
 
-_EXTRA = 'pip install "dask_pgas[cuda13]" (CUDA 13) or "dask_pgas[cuda12]" (CUDA 12)'
-
-
 # -- environment ------------------------------------------------------------------------------------------------
 def parse_size(text: str | int | None, default: int = 1 << 30) -> int:
     """NVSHMEM-style size: ``1073741824``, ``512M``, ``4g``, ``1GiB`` (binary multiples)."""
@@ -403,14 +400,14 @@ class NVSHMEMEngine(Engine):
     # -- availability and bring-up --------------------------------------------------------------------------
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        if importlib.util.find_spec("cupy") is None and importlib.util.find_spec("torch") is None:
-            return f"the nvshmem backend needs CuPy or torch: {_EXTRA}"
-        from ..bindings import LibraryNotFound, cufftmp, nvshmem
+        from ..bindings import LibraryNotFound, cufftmp, extra_hint, nvshmem
 
+        if importlib.util.find_spec("cupy") is None and importlib.util.find_spec("torch") is None:
+            return f"the nvshmem backend needs CuPy or torch: {extra_hint()}"
         if nvshmem.library_path() is None:
-            return f"NVSHMEM (libnvshmem_host.so.3 from nvidia-nvshmem-cu13/-cu12) is not installed: {_EXTRA}"
+            return f"NVSHMEM (libnvshmem_host.so.3 from nvidia-nvshmem-cu13/-cu12) is not installed: {extra_hint()}"
         if cufftmp.library_path() is None:
-            return f"cuFFTMp (libcufftMp from nvidia-cufftmp-cu13/-cu12) is not installed: {_EXTRA}"
+            return f"cuFFTMp (libcufftMp from nvidia-cufftmp-cu13/-cu12) is not installed: {extra_hint()}"
         try:
             from ..bindings.cuda import driver
 

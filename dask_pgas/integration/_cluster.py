@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import operator
 import os
 import shutil
 import signal
@@ -169,6 +171,40 @@ def _inherited_config() -> dict[str, str]:
     return {}
 
 
+def _check_arguments(n_workers: Any, threads_per_worker: Any, memory_limit: Any, gpus: Any, timeout: Any) -> None:
+    """Refuse, before anything starts, what the scheduler or the worker job would fail on only later (or take
+    silently: ``threads_per_worker=0`` is "all cores", ``gpus=1`` on a machine without GPUs started CPU workers)."""
+    from distributed.worker_memory import parse_memory_limit
+
+    for name, value, least in (("n_workers", n_workers, 1), ("threads_per_worker", threads_per_worker, 1),
+                               ("gpus", gpus, 0)):
+        try:
+            ok = not isinstance(value, bool) and operator.index(value) >= least
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    try:  # as each worker will read it
+        limit = parse_memory_limit(memory_limit, int(threads_per_worker), logger=logging.getLogger(__name__))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"memory_limit={memory_limit!r}: {exc} (a size such as '4GiB', a fraction of the "
+                         "memory, 'auto', or 0 for none)") from None
+    if limit is not None and limit < 0:
+        raise ValueError(f"memory_limit={memory_limit!r} is negative (0 means no limit)")
+    if gpus:
+        from ..bindings.cuda import driver
+
+        try:
+            visible, why = driver().device_count(), ""
+        except Exception as exc:  # no CUDA driver
+            visible, why = 0, f" ({exc})"
+        if visible < gpus:
+            raise ValueError(f"gpus={gpus}, but this machine shows {visible} GPU{'s' if visible != 1 else ''}{why}; "
+                             "gpus=0 starts CPU workers")
+
+
 class _Done:
     """``close()``'s result inside an event loop: ``Client.shutdown`` awaits ``cluster.close()``."""
 
@@ -197,6 +233,9 @@ class LocalMPICluster:
         restart_workers: bool = True,
         gpus: int = 0,
     ) -> None:
+        if memory_limit is None:  # Dask counts CuPy chunks as host memory: no host limit to spill them by
+            memory_limit = "0" if gpus else "auto"
+        _check_arguments(n_workers, threads_per_worker, memory_limit, gpus, timeout)
         self.n_workers = n_workers
         self.status = Status.created
         self.world = None
@@ -209,8 +248,6 @@ class LocalMPICluster:
         self._env = {**os.environ, **_inherited_config(), **(env or {})}
         self._env.setdefault("PYTHONUNBUFFERED", "1")
         self._env[_orphan_guard.ENV] = str(os.getpid())  # scheduler and workers exit if this process dies
-        if memory_limit is None:  # Dask counts CuPy chunks as host memory: no host limit to spill them by
-            memory_limit = "0" if gpus else "auto"
         if gpus:  # worker k sees only GPU (node-local rank k mod gpus), as its device 0
             self._env["DASK_PGAS_BIND_GPUS"] = str(gpus)
         self._procs: list[subprocess.Popen] = []

@@ -192,3 +192,16 @@ def test_cli_world_with_a_stale_scheduler_file(tmp_path, capsys):
                                  "services": {}, "started": 0, "workers": {}}))
     assert main(["world", "--scheduler-file", str(stale), "--timeout", "2"]) == 1
     assert "no scheduler answers" in capsys.readouterr().err
+
+
+def test_dask_cuda_example_says_what_it_needs():
+    """``--help`` works without the GPU packages; without them the example says how to install them."""
+    import importlib.util
+
+    script = os.path.join(ROOT, "examples", "dask_cuda_rechunk.py")
+    out = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--size" in out.stdout, out.stderr
+    if importlib.util.find_spec("cupy") and importlib.util.find_spec("dask_cuda"):
+        pytest.skip("CuPy and dask-cuda are installed: the example would start a GPU cluster")
+    out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "pip install dask-cuda" in out.stderr and "Traceback" not in out.stderr

@@ -209,9 +209,9 @@ def test_missing_libraries_messages(monkeypatch, tmp_path):
     monkeypatch.delenv("DASK_PGAS_CUFFTMP_LIB", raising=False)
     nvshmem.load.reset()
     cufftmp.load.reset()
-    with pytest.raises(bindings.LibraryNotFound, match=r"libnvshmem_host.so.3.*cuda13"):
+    with pytest.raises(bindings.LibraryNotFound, match=r"libnvshmem_host.so.3.*nvidia-nvshmem-cu13"):
         nvshmem.load()
-    with pytest.raises(ImportError, match=r"cuFFTMp.*dask_pgas\[cuda1"):
+    with pytest.raises(ImportError, match=r"cuFFTMp.*nvidia-cufftmp-cu13"):
         cufftmp.load()
 
 
@@ -220,9 +220,25 @@ def test_unavailable_reason_names_the_extra():
 
     reason = NVSHMEMEngine.unavailable_reason()
     if importlib.util.find_spec("cupy") is None and importlib.util.find_spec("torch") is None:
-        assert reason is not None and "dask_pgas[cuda13]" in reason
+        assert reason is not None and "pip install cupy-cuda13x nvidia-nvshmem-cu13" in reason
     else:  # pragma: no cover - depends on the machine
         assert reason is None or isinstance(reason, str)
+
+
+def test_install_hint_names_the_wheels_of_the_gpu_extras():
+    """The hint names packages one can install from PyPI (dask_pgas itself is not there): exactly the wheels of
+    the cuda13 and cuda12 extras."""
+    import re
+    from importlib.metadata import requires
+
+    from dask_pgas.bindings import extra_hint
+
+    hint = extra_hint()
+    for extra in ("cuda13", "cuda12"):
+        wheels = [re.match(r"[A-Za-z0-9_.-]+", r).group() for r in requires("dask_pgas")
+                  if f'extra == "{extra}"' in r]
+        assert len(wheels) == 3 and " ".join(wheels) in hint, (extra, wheels, hint)
+    assert "dask_pgas[" not in hint
 
 
 def test_import_is_light_and_public_names():

@@ -81,3 +81,33 @@ def test_bootstrap_warns_when_an_intact_world_has_other_backends(caplog):
         assert not caplog.records
         assert bootstrap(_FakeClient(intact), backends="nvshmem").backends == ("mpi",)
     assert "['nvshmem']" in caplog.text and "['mpi']" in caplog.text
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"n_workers": 0}, "n_workers must be an integer >= 1, got 0"),
+    ({"n_workers": 1.5}, "n_workers must be an integer >= 1"),
+    ({"n_workers": True}, "n_workers must be an integer >= 1"),
+    ({"threads_per_worker": 0}, "threads_per_worker must be an integer >= 1"),
+    ({"memory_limit": "bogus"}, "memory_limit='bogus': Could not interpret 'bogus'"),
+    ({"memory_limit": "-1GiB"}, "is negative"),
+    ({"gpus": -1}, "gpus must be an integer >= 0"),
+    ({"gpus": 10**6}, r"gpus=1000000, but this machine shows \d+ GPU"),
+    ({"timeout": 0}, "timeout must be a positive number"),
+])
+def test_bad_arguments_are_refused_before_anything_starts(kwargs, message, monkeypatch):
+    """Each used to start a scheduler and an MPI job first, then fail with a worker's traceback, or start
+    something else than asked (threads_per_worker=0: all cores; gpus=1 without a GPU: CPU workers)."""
+    import tempfile
+
+    import numpy as np
+
+    import dask_pgas
+
+    made = []
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda *a, **k: made.append(a) or "/nonexistent")
+    with pytest.raises(ValueError, match=message):
+        dask_pgas.LocalMPICluster(**{"n_workers": 1, **kwargs})
+    assert not made  # nothing was started
+    from dask_pgas.integration._cluster import _check_arguments
+
+    _check_arguments(np.int64(2), np.int32(1), "auto", 0, 1)  # integer-likes are integers
