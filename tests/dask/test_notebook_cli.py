@@ -64,16 +64,23 @@ def test_demo_main_job():
     assert "Traceback" not in out.stderr
 
 
-# the demo, with Ctrl-C (SIGINT to its process group) while the first result is gathered
+# the demo, with Ctrl-C (SIGINT to its process group) while its second gather (pgas's result against Dask's
+# tasks rechunk, the slow one: about 2 s at 256 MiB on 2 cores) waits
 _INTERRUPT_IN_GATHER = """
-import os, signal, sys, threading
+import itertools, os, signal, sys, threading
 from distributed import Client
 from dask_pgas.cli import main
 
-gather = Client.gather
+gather, calls = Client.gather, itertools.count(1)
 def interrupted_gather(self, *args, **kwargs):
-    threading.Timer(0.2, os.killpg, (0, signal.SIGINT)).start()
-    return gather(self, *args, **kwargs)
+    if next(calls) != 2:
+        return gather(self, *args, **kwargs)
+    threading.Timer(0.3, os.killpg, (0, signal.SIGINT)).start()
+    try:
+        return gather(self, *args, **kwargs)
+    except KeyboardInterrupt:
+        print("interrupted in gather", flush=True)
+        raise
 Client.gather = interrupted_gather
 sys.exit(main(sys.argv[1:]))
 """
@@ -86,8 +93,8 @@ def test_demo_interrupted_exits_quietly():
     import signal
 
     proc = subprocess.Popen(
-        [sys.executable, "-c", _INTERRUPT_IN_GATHER, "demo", "--size", "64MiB", "--workers", "2", "--repeats", "1",
-         "--cpu"],
+        [sys.executable, "-c", _INTERRUPT_IN_GATHER, "demo", "--size", "256MiB", "--workers", "2", "--repeats",
+         "1", "--cpu"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # (a background job ignores it)
     )
@@ -96,7 +103,7 @@ def test_demo_interrupted_exits_quietly():
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, out
+    assert proc.returncode == 130 and "interrupted in gather" in out, out
     assert "dask-pgas: interrupted" in out and "Traceback" not in out and "never retrieved" not in out, out
     assert "cols->rows" not in out  # interrupted before the first result
     deadline = time.monotonic() + 10
