@@ -562,6 +562,8 @@ def test_built_for_a_cluster_of_another_size_says_so(client, monkeypatch, local,
     from dask_pgas.errors import PGASWorldError
     from dask_pgas.integration import _rechunk
 
+    if NWORKERS + other < 1:
+        pytest.skip("no smaller world than one PE")
     real = _rechunk._world
 
     def world_of_another_size(client, x=None):
