@@ -18,6 +18,7 @@
 #   mps       gpu_checks, the CuPy core suite and the Dask suite at 2 and 4 PEs under MPS
 #   dask      the Dask suite on 1, 2 and 4 GPU workers and on 2 outside MPI (side by side), then the failure tests
 #   dask4     the Dask suite on 4 GPU workers alone (a quick check after a change to the Dask layer)
+#   dask1     the same on 1 GPU worker
 #   failure   the Dask failure and launcher tests alone (tests/dask/test_failure.py, 3 GPU workers)
 #   cancel    the two cancel tests, 5 times on 4 GPU workers
 #   notebook  notebooks/01_pgas_rechunk.ipynb cell by cell on 1 and 2 GPU workers (1 GiB)
@@ -145,6 +146,10 @@ job_failure() {
 job_dask4() {
   dask_suite 4 200 "$OUT/dask4.log"
   grep -h "passed\|failed" "$OUT/dask4.log" >>"$S" 2>/dev/null
+}
+job_dask1() {
+  dask_suite 1 200 "$OUT/dask1.log"
+  grep -h "passed\|failed" "$OUT/dask1.log" >>"$S" 2>/dev/null
 }
 job_cancel() {
   for i in 1 2 3 4 5; do
