@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "world" and not os.path.exists(args.scheduler_file):
         # distributed would wait for the file for ever; dask-mpi removes it when its cluster shuts down
         w.error(f"no scheduler file {args.scheduler_file}: start the cluster first (dask-mpi "
-                     "--scheduler-file ...), or check the path")
+                "--scheduler-file ...), or check the path")
     logging.getLogger("asyncio").addFilter(_NoInterruptedGatherNoise())
     try:
         return args.func(args)

@@ -246,7 +246,7 @@ class PGASWorkerPlugin(WorkerPlugin):
         if npes != self.npes:  # (the same epoch number on another cluster)
             raise PGASWorldError(
                 f"this rechunk was planned for a PGAS world of {npes} PEs but this cluster's world has "
-                f"{self.npes}: it was built with another cluster's client; build it again with this cluster's"
+                f"{self.npes}: it was built with another cluster's client; build it again with this one's"
             )
         if pe != self.pe:
             raise PGASWorldError(
