@@ -280,8 +280,43 @@ def _heap_position(array: Any) -> tuple[int, int] | None:
 
 def is_symmetric_memory(array: Any) -> bool:
     """Whether ``array`` is (a view into) memory from :func:`allocate_symmetric_memory`; local, not collective."""
+    return _allocation_of(array) is not None
+
+
+def _allocation_of(array: Any) -> int | None:
+    """Local: the registry key of the live allocation that holds ``array`` (the array
+    :func:`allocate_symmetric_memory` returned, or a view into its memory), or None. A caller that keeps the key
+    can tell later whether that allocation is still live (:func:`_is_live`), also when a new allocation has
+    taken its address since."""
     rec, err = _lookup(array)
-    return rec is not None or (err is not None and "view of symmetric memory" in err)
+    if rec is not None:
+        return rec.seq
+    if err is None or "view of symmetric memory" not in err:
+        return None
+    with _lock:
+        rec = _record_at(array_info(array).ptr)
+    return None if rec is None else rec.seq
+
+
+def _is_live(seq: int) -> bool:
+    return seq in _live
+
+
+def _in_use() -> str | None:
+    """Local, at finalize: the registered allocations whose arrays are still referenced (finalize would free
+    their memory under them: the next access would crash the process), or None. A view keeps its NumPy base
+    array, and so its allocation, referenced."""
+    if not any(rec.ref() is not None for rec in list(_live.values())):
+        return None
+    import gc
+
+    gc.collect()  # arrays left only in unreachable cycles are not in use
+    with _lock:
+        used = [rec.desc for rec in _live.values() if rec.ref() is not None]
+    if not used:
+        return None
+    return (f"{len(used)} symmetric array(s) still in use ({', '.join(used)}): free them with "
+            "free_symmetric_memory() before finalize() (a Reshape whose symmetric operand was not freed keeps it)")
 
 
 def free_symmetric_memory(*arrays: Any) -> None:

@@ -29,7 +29,7 @@ from .errors import (
     UnsupportedOperandError,
 )
 from .geometry.boxes import bounding_box, tiling_error
-from .memory import _allocate_internal, _heap_position, _was_freed, is_symmetric_memory
+from .memory import _allocate_internal, _allocation_of, _heap_position, _is_live, _was_freed, is_symmetric_memory
 from .runtime import _control_plane, engine_for_package
 
 __all__ = ["Reshape", "ReshapeOptions", "reshape"]
@@ -209,7 +209,9 @@ class Reshape:
             except Exception as exc:
                 error = (type(exc), str(exc))
             _agree(control, error)
-        self._tracked = is_symmetric_memory(operand)  # registered symmetric memory: checked at each execute
+        # the registered allocation holding the operand, if any: checked at each execute (its address alone could
+        # belong to a newer allocation once it is freed)
+        self._tracked = _allocation_of(operand)
         self.logger.debug(
             "rank %d: reshape %s -> %s (%s, order %s, %d ranks) on the %s engine",
             control.rank, self._spec.input_box, self._spec.output_box, self._spec.dtype, self._spec.order,
@@ -326,6 +328,21 @@ class Reshape:
         return np.asarray(operand, order=self._spec.order)
 
     # -- local state checks ---------------------------------------------------------------------------------
+    def _operand_mismatch(self) -> str | None:
+        """Local, before ``execute``'s agreement: why the operand no longer fits the plan (a NumPy array's shape,
+        dtype and strides can be changed in place), or None."""
+        try:
+            info = array_info(self._source)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        spec = self._spec
+        if info.shape != spec.input_box.shape or info.dtype != spec.dtype:
+            return (f"the operand was changed in place to shape {info.shape} and dtype {info.dtype}; the plan needs "
+                    f"{spec.input_box.shape} and {spec.dtype}")
+        if self._operand is self._source and not (info.c_contiguous if spec.order == "C" else info.f_contiguous):
+            return f"the operand is no longer {spec.order}-contiguous, as it was when planned"
+        return None
+
     def _runtime_error(self) -> str | None:
         """Local: why the plan's engine is no longer the runtime's, or None (``finalize`` is collective, so every
         rank reaches the same verdict without an exchange; an exchange would use the freed communicator)."""
@@ -382,7 +399,7 @@ class Reshape:
                 is copied on the host.
         """
         self._check_runtime()
-        error, conformed, tracked = None, None, False
+        error, conformed, tracked = None, None, None
         try:
             if self._freed:
                 raise RuntimeStateError("this Reshape was freed; create a new one")
@@ -400,8 +417,8 @@ class Reshape:
                     f"new operand has shape {info.shape} and dtype {info.dtype}; the plan needs "
                     f"{self._spec.input_box.shape} and {self._spec.dtype}"
                 )
-            tracked = is_symmetric_memory(operand)
-            symmetric = self._engine.on_heap(operand) or tracked
+            tracked = _allocation_of(operand)
+            symmetric = self._engine.on_heap(operand) or tracked is not None
             if symmetric != self._symmetric:
                 raise SymmetricMemoryError(
                     "new operand must " + ("" if self._symmetric else "not ") + "be symmetric memory, like the first"
@@ -426,7 +443,7 @@ class Reshape:
             self.logger.debug("the operand was released already; nothing to do")
             return
         self._source = self._operand = None
-        self._tracked = False
+        self._tracked = None
         self._released = True
 
     def execute(self, stream: Any = None, release_workspace: bool = False, sync_symmetric_memory: bool = True) -> Any:
@@ -448,8 +465,10 @@ class Reshape:
                     RuntimeStateError,
                     "execute() cannot run after release_operand(); give a new operand with reset_operand() first",
                 )
-            elif self._tracked and not is_symmetric_memory(self._source):
+            elif self._tracked is not None and not _is_live(self._tracked):
                 error = (SymmetricMemoryError, _FREED_OPERAND + ": give a live one with reset_operand()")
+            elif (why := self._operand_mismatch()) is not None:
+                error = (UnsupportedOperandError, why)
         # the only exchange on the hot path when all is well; sync_symmetric_memory decides a collective step
         try:
             sync = ("sync_symmetric_memory", bool(sync_symmetric_memory))
@@ -520,7 +539,7 @@ class Reshape:
         and every rank holds one or none: planning agrees on its outcome)."""
         self._results = []
         self._source = self._operand = None
-        self._tracked = False
+        self._tracked = None
         if self._freed:
             return
         self._freed = True

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .engines.base import ControlPlane, Engine
-from .errors import BackendUnavailableError, NotInitializedError, RuntimeStateError
+from .errors import BackendUnavailableError, NotInitializedError, RuntimeStateError, SymmetricMemoryError
 
 __all__ = [
     "BACKENDS",
@@ -220,15 +220,20 @@ def install_engine(engine: Engine) -> None:
 
 
 def finalize() -> None:
-    """Free every symmetric allocation still registered and tear down the engines (collective)."""
+    """Free every symmetric allocation still registered and tear down the engines (collective).
+
+    Raises :class:`SymmetricMemoryError` on every rank, finalizing nothing, while any rank still references a
+    symmetric array (or a view of one) that was not freed: its memory would be freed under it. Allocations
+    whose arrays were garbage collected unfreed are freed here."""
     global _owner_pid, _communicator
-    from .memory import _free_all
+    from .memory import _free_all, _in_use
 
     with _lock:
         if not _engines:
             return
-        if is_initialized():  # every rank is in this call, or all raise
-            _control_plane().agree(None, "finalize()")
+        if is_initialized():  # every rank is in this call, or all raise; and none frees arrays still in use
+            if bad := _control_plane().agree(_in_use(), "finalize()"):
+                raise SymmetricMemoryError("; ".join(f"rank {r}: {e}" for r, e in bad) + "; nothing was finalized")
         try:
             for engine in _engines.values():
                 _free_all(engine)

@@ -66,11 +66,15 @@ def _element_type(dtype: np.dtype):
 
     dtlib's type is used only when it covers every byte of the element (size and extent equal to the
     itemsize): it maps some dtypes to fewer bytes (``'S5'`` or a struct's ``'S2'`` field to one MPI_CHAR) or
-    leaves holes (aligned structs). Every other dtype moves as raw bytes, which is byte-exact for all."""
+    leaves holes (aligned structs). Nor for x87 extended precision anywhere in the element: MPI_LONG_DOUBLE's
+    size is the itemsize, but MPICH moves only its 10 significant bytes, not the padding. Every other dtype
+    moves as raw bytes, which is byte-exact for all."""
     from mpi4py import MPI
     from mpi4py.util import dtlib
 
     try:
+        if _has_extended_float(dtype):
+            raise ValueError("moved as raw bytes")
         datatype = dtlib.from_numpy_dtype(dtype)
     except (ValueError, TypeError, KeyError, MPI.Exception):  # unmapped (void, byte-swapped, ...), or a type
         # this MPI lacks (Open MPI 4.1's dtlib raises MPI_ERR_TYPE for float16)
@@ -83,6 +87,16 @@ def _element_type(dtype: np.dtype):
         if not datatype.is_predefined:
             datatype.Free()
     return MPI.BYTE.Create_contiguous(dtype.itemsize).Commit(), True
+
+
+def _has_extended_float(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` (or a field, at any depth, or a subarray's base) is ``longdouble``/``clongdouble``
+    wider than ``double``."""
+    if dtype.subdtype is not None:
+        return _has_extended_float(dtype.subdtype[0])
+    if dtype.fields:
+        return any(_has_extended_float(field[0]) for field in dtype.fields.values())
+    return dtype.type in (np.longdouble, np.clongdouble) and np.finfo(np.longdouble).bits > 64
 
 
 def subarray_type(base, whole: Box, piece: Box, order):

@@ -303,6 +303,46 @@ def execute_after_operand_freed():
 case("execute after its symmetric operand was freed", execute_after_operand_freed, "SymmetricMemoryError")
 
 
+def execute_after_view_operands_allocation_freed():
+    """The operand is a view of symmetric memory: after its allocation is freed, a new allocation can take the
+    same address; execute() must still see that the operand's own allocation is gone (it read the new one)."""
+    a = symmetric(col())
+    r = planned(a[:])
+    dask_pgas.free_symmetric_memory(a)
+    junk = symmetric(col(), GLOBAL * 0 - 5)  # the same size: may take the freed memory's place
+    b = None
+    try:
+        b = r.execute()
+    finally:
+        r.free()
+        release(junk, b)
+
+
+case("execute after a view operand's allocation was freed", execute_after_view_operands_allocation_freed,
+     "SymmetricMemoryError")
+
+
+def operand_changed_in_place_on_one_rank(change):
+    """NumPy lets an array's shape or dtype change in place: a rank whose operand no longer fits the plan says so
+    before the exchange, so every rank raises (the others were left waiting in the exchange)."""
+    a = piece(col())
+    with planned(a) as r:
+        b = r.execute()
+        assert np.array_equal(b, piece(row()))
+        if RANK == 1:
+            if change == "shape":
+                a.shape = (4, N)
+            else:
+                a.dtype = np.int64
+        r.execute()
+
+
+case("execute after the operand's shape changed in place on one rank",
+     lambda: operand_changed_in_place_on_one_rank("shape"), "UnsupportedOperandError")
+case("execute after the operand's dtype changed in place on one rank",
+     lambda: operand_changed_in_place_on_one_rank("dtype"), "UnsupportedOperandError")
+
+
 def reset_to_freed_on_one_rank():
     a, c = symmetric(col()), symmetric(col())
     dask_pgas.free_symmetric_memory(c)

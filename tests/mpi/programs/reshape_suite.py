@@ -25,9 +25,11 @@ COMMON = ["bool", "int8", "uint8", "int16", "int32", "int64", "float16", "float3
           "complex128"]
 # structs with string fields: dtlib maps a field 'S2' to one MPI_CHAR, yet every byte of it must travel
 STRING_STRUCTS = [np.dtype([("a", "<i2"), ("b", "S2")]), np.dtype([("a", "<i4"), ("b", "U3")])]
+# x87 extended precision: MPI_LONG_DOUBLE moves 10 of its 16 bytes, yet every byte must travel
+EXTENDED = ["longdouble", "clongdouble", np.dtype([("a", "i1"), ("b", "longdouble")], align=True)]
 HOST_ONLY = ["uint16", "uint32", "uint64", ">f8", "<i4", "S5", "V3",
              np.dtype([("a", "i1"), ("b", "<f8")]), np.dtype([("a", "i1"), ("b", "<f8")], align=True),
-             *STRING_STRUCTS]
+             *STRING_STRUCTS, *EXTENDED]
 DTYPES = [np.dtype(d) for d in COMMON + (HOST_ONLY if opts.package == "numpy" else [])]
 # NumPy symmetric memory exists on the mpi backend only (nvshmem stages NumPy operands through the GPU heap)
 HOST_KINDS = ["plain", "symmetric", "strided"] if opts.backend == "mpi" else ["plain", "strided"]

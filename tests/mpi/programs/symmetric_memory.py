@@ -167,7 +167,33 @@ def leak_reported():
 
 
 case("garbage-collected allocation is reported, not freed", leak_reported)
-dask_pgas.finalize()  # frees the leaked allocation collectively
+
+
+def finalize_while_in_use(keep):
+    """finalize() would free memory that arrays still point into (the next access crashed the process):
+    every rank refuses, finalizing nothing, when any rank keeps such an array or a view of one."""
+    a = dask_pgas.allocate_symmetric_memory((8,), PKG)
+    a[...] = RANK + 1
+    held = None
+    if keep == "array" or (keep == "view on rank 0" and RANK == 0):
+        held = a if keep == "array" else a[2:5]
+    del a
+    try:
+        dask_pgas.finalize()
+    finally:
+        assert dask_pgas.is_initialized()
+        if held is not None:
+            assert float(held.sum()) == (RANK + 1) * held.size  # still readable
+        if keep == "array":
+            dask_pgas.free_symmetric_memory(held)
+
+
+case("finalize refuses while a symmetric array is in use", lambda: finalize_while_in_use("array"),
+     "SymmetricMemoryError")
+case("finalize refuses while one rank keeps a view", lambda: finalize_while_in_use("view on rank 0"),
+     "SymmetricMemoryError")
+gc.collect()  # (the view is gone: its allocation was garbage collected unfreed, with the one of leak_reported)
+dask_pgas.finalize()  # frees the leaked allocations collectively
 case("finalize freed what was left", lambda: _assert_empty())
 initialize(opts)
 
