@@ -178,8 +178,12 @@ def show_world(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     with client:
-        dask_pgas.bootstrap(client)
-        print(dask_pgas.world(client, detail=True))
+        try:
+            dask_pgas.bootstrap(client)
+            print(dask_pgas.world(client, detail=True))
+        except dask_pgas.errors.PGASError as exc:  # a refused bootstrap says why: no traceback
+            print(f"dask-pgas world: {exc}", file=sys.stderr)
+            return 1
     return 0
 
 

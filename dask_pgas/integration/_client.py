@@ -54,6 +54,8 @@ def _client(client):
         from distributed import default_client
 
         client = default_client()
+    if client.status in ("closing", "closed"):
+        raise PGASWorldError(f"the client is {client.status}: use a connected client of the cluster")
     return client
 
 
@@ -115,8 +117,8 @@ def scheduler_world(client, **kwargs: Any) -> dict | None:
         _SCHEDULERS_WITH_PLUGIN.add(address)
     try:
         d = client.sync(client.scheduler.pgas_world, **kwargs)
-    except Exception:
-        return None
+    except (OSError, TimeoutError) as exc:  # (CommClosedError is an OSError): not "no world"
+        raise PGASWorldError(f"the scheduler at {address} does not answer ({exc!r})") from None
     return d if isinstance(d, dict) else None  # (a scheduler without the handler answers None)
 
 
@@ -140,6 +142,8 @@ def teardown(client=None) -> dict[str, int]:
     Returns the symmetric bytes each worker still holds afterwards (all zero when clean).
     """
     client = _client(client)
+    if scheduler_world(client) is None:
+        raise PGASWorldError("no PGAS world to tear down: dask_pgas.bootstrap(client) never ran on this cluster")
     try:
         result = client.sync(client.scheduler.pgas_teardown)
     except Exception as exc:

@@ -71,10 +71,10 @@ def _fallback(x, chunks, reason: str, fix: str, threshold, block_size_limit, bal
                                 balance=balance, method=policy)
     if policy != "raise":
         raise ValueError(f"config pgas.fallback must be 'raise', 'tasks' or 'p2p', not {policy!r}")
-    raise PGASRechunkUnsupported(
-        f"method='pgas' cannot rechunk this array: {reason}. {fix} Or set "
-        "dask.config.set({'pgas.fallback': 'tasks'}) (or 'p2p') to use Dask's own rechunk in such cases."
-    )
+    raise PGASRechunkUnsupported(" ".join(part for part in (
+        f"method='pgas' cannot rechunk this array: {reason}.", fix,
+        "Or set dask.config.set({'pgas.fallback': 'tasks'}) (or 'p2p') to use Dask's own rechunk in such cases.",
+    ) if part))
 
 
 def _normalize(x, chunks, block_size_limit):
@@ -206,8 +206,7 @@ def rechunk(
     if not world or not world["workers"]:
         return _fallback(x, chunks, "the cluster has no PGAS world", "Call dask_pgas.bootstrap(client).", *args)
     if world["broken"]:
-        return _fallback(x, chunks, f"the PGAS world is broken: {world['broken']}",
-                         "Restart the cluster and call dask_pgas.bootstrap(client).", *args)
+        return _fallback(x, chunks, world["broken"], "", *args)  # (it says how to recover)
     if package == "cupy" and "nvshmem" not in world["backends"]:
         return _fallback(x, chunks, "CuPy chunks need the 'nvshmem' backend on GPU workers",
                          "Bootstrap GPU workers with backends=['nvshmem'].", *args)

@@ -196,7 +196,18 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                 everywhere = set.intersection(*(set(i["available"]) for i in infos.values()))
                 backends = ["nvshmem"] if "nvshmem" in everywhere else ["mpi"]
             backends = [backends] if isinstance(backends, str) else list(backends)
-            mpi_world = all(r is not None for r in ranks.values()) and len(set(ranks.values())) == len(ranks)
+            nannies = sorted(w for w, i in infos.items() if i.get("nanny_in_mpi_job"))
+            if nannies and "mpi" in backends:
+                return {
+                    "status": "error",
+                    "message": f"workers {nannies} run under a Nanny inside an MPI job (dask-mpi's default): the "
+                    "Nanny's worker process is not an MPI rank, and starting MPI there would abort it. Start the "
+                    "workers with dask-mpi --worker-class distributed.Worker, or dask_mpi.initialize(nanny=False)",
+                }
+            # ranks of two MPI jobs can be distinct too, and a group over them would wait for ever: one job has one size
+            sizes = sorted({i["mpi_size"] for i in infos.values()} - {None})
+            mpi_world = (len(sizes) == 1 and all(r is not None for r in ranks.values())
+                         and len(set(ranks.values())) == len(ranks))
             if mpi_world:
                 order = sorted(workers, key=lambda w: ranks[w])
             elif backends == ["nvshmem"]:
@@ -204,9 +215,11 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             else:
                 return {
                     "status": "error",
-                    "message": "the workers are not processes of one MPI job and the 'nvshmem' backend is not "
-                    "available on all of them: start the workers with dask_pgas.LocalMPICluster, dask-mpi "
-                    "(--worker-class distributed.Worker) or mpiexec, or use GPU workers with NVSHMEM",
+                    "message": "the workers are not processes of one MPI job"
+                    + (f" (their MPI jobs have sizes {sizes})" if len(sizes) > 1 else "")
+                    + " and the 'nvshmem' backend is not available on all of them: start the workers with "
+                    "dask_pgas.LocalMPICluster, dask-mpi (--worker-class distributed.Worker) or one mpiexec, or use "
+                    "GPU workers with NVSHMEM",
                 }
             # a previous intact world is torn down collectively first (and ends before: no run may start on it)
             if self.world and not self.broken:
@@ -420,10 +433,13 @@ class PGASSchedulerPlugin(SchedulerPlugin):
     def _break(self, message: str) -> None:
         if self.broken:
             return
+        inside = bool(self._in_flight())
         self.broken = (
-            f"{message}. The PGAS world #{self.epoch} is broken (MPI collectives cannot be cancelled, workers "
-            "that were inside one stay blocked there); the input arrays stay computable with "
-            "method='tasks'/'p2p'. Restart the cluster and call dask_pgas.bootstrap(client) again."
+            f"{message}. The PGAS world #{self.epoch} is broken"
+            + (" (MPI collectives cannot be cancelled: workers that were inside one stay blocked there)" if inside
+               else "")
+            + "; the input arrays stay computable with method='tasks'/'p2p'. dask_pgas.bootstrap(client) builds a "
+            "new world from the workers there are now (it says so when one of them must be restarted first)"
         )
         logger.error("dask_pgas: %s", self.broken)
         for run in self._in_flight():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import queue
 import socket
 import sys
@@ -171,6 +172,16 @@ def _mpi_identity() -> tuple[int | None, int | None]:
         return None, None
 
 
+#: variables an MPI launcher gives its ranks (MPICH/Hydra, PMIx, Open MPI); a Nanny's worker process inherits them
+_LAUNCHER_VARS = ("PMI_RANK", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
+
+
+def _nanny_child_of_mpi_job(worker) -> bool:
+    """Whether this worker is the child process of a Nanny inside an MPI job (dask-mpi's default): it inherits
+    the job's launcher variables but is not one of its ranks, and MPI_Init there aborts the process."""
+    return getattr(worker, "nanny", None) is not None and any(v in os.environ for v in _LAUNCHER_VARS)
+
+
 class PGASWorkerPlugin(WorkerPlugin):
     """Owns the PGAS runtime of one worker. Registered by :func:`dask_pgas.bootstrap`."""
 
@@ -311,8 +322,12 @@ class PGASWorkerPlugin(WorkerPlugin):
         from .. import runtime
 
         rank, size = _mpi_identity()
+        nanny_in_mpi_job = _nanny_child_of_mpi_job(self.worker)
         try:
-            available = runtime.available_backends()
+            if nanny_in_mpi_job:  # not the mpi backend's probe: importing mpi4py.MPI would start MPI and abort
+                available = [b for b in ("nvshmem",) if runtime._unavailable(b) is None]
+            else:
+                available = runtime.available_backends()
         except Exception as exc:  # pragma: no cover
             available = []
             logger.warning("dask_pgas: could not list backends: %s", exc)
@@ -328,6 +343,7 @@ class PGASWorkerPlugin(WorkerPlugin):
             "host": socket.gethostname(),
             "mpi_rank": rank,
             "mpi_size": size,
+            "nanny_in_mpi_job": nanny_in_mpi_job,
             "available": available,
             "initialized": runtime.is_initialized(),
             "backends": list(runtime.initialized_backends()),

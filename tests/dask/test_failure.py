@@ -87,8 +87,10 @@ def test_teardown_kill_and_close(capfd):
             # later rechunks raise until the world is bootstrapped again ...
             broken = dask_pgas.world(client)
             assert broken.broken and "left the PGAS world" in broken.broken
-            with pytest.raises(PGASRechunkUnsupported, match="broken"):
+            with pytest.raises(PGASRechunkUnsupported, match="broken") as refused:
                 dask_pgas.rechunk(x, (50, 300))
+            text = str(refused.value)  # one way to recover, said once, and it is the right one
+            assert text.count("bootstrap(client)") == 1 and ".." not in text and "Restart the cluster" not in text
             # the local cluster replaces the MPI job (MPICH takes every rank down with the one that died)
             client.wait_for_workers(3, timeout=120)
             pids += cluster.worker_pids()
@@ -509,3 +511,26 @@ def test_never_bootstrapped_cluster_follows_fallback(caplog):
                 assert y.chunks == ((10,) * 4, (40,))
                 np.testing.assert_array_equal(y.compute(), np.arange(1600).reshape(40, 40))
     assert not [r for r in caplog.records if "pgas_world" in r.getMessage() or "No handler" in r.getMessage()]
+
+
+def test_teardown_and_world_say_what_is_wrong(tmp_path, capsys):
+    """teardown() of a never-bootstrapped cluster raised a bare TypeError; world() of a closed client an
+    AttributeError; `dask-pgas world` printed a traceback when bootstrap was refused."""
+    import json
+
+    from distributed import Client, LocalCluster
+
+    from dask_pgas.cli import main
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster:
+        with Client(cluster) as client:
+            with pytest.raises(PGASWorldError, match="never ran on this cluster"):
+                dask_pgas.teardown(client)
+        with pytest.raises(PGASWorldError, match="the client is closed"):
+            dask_pgas.world(client)
+        sched = tmp_path / "scheduler.json"
+        sched.write_text(json.dumps({"address": cluster.scheduler_address}))
+        assert main(["world", "--scheduler-file", str(sched), "--timeout", "10"]) == 1  # threads of one process
+        err = capsys.readouterr().err
+        assert err.startswith("dask-pgas world: ") and "not processes of one MPI job" in err
+        assert "Traceback" not in err
