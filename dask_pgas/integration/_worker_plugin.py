@@ -182,6 +182,11 @@ def _nanny_child_of_mpi_job(worker) -> bool:
     return getattr(worker, "nanny", None) is not None and any(v in os.environ for v in _LAUNCHER_VARS)
 
 
+def _process_of(worker) -> int:
+    """This worker's process (workers of a ``LocalCluster(processes=False)`` share one)."""
+    return os.getpid()
+
+
 class PGASWorkerPlugin(WorkerPlugin):
     """Owns the PGAS runtime of one worker. Registered by :func:`dask_pgas.bootstrap`."""
 
@@ -341,6 +346,7 @@ class PGASWorkerPlugin(WorkerPlugin):
             "address": self.worker.address,
             "name": str(self.worker.name),
             "host": socket.gethostname(),
+            "process": _process_of(self.worker),
             "mpi_rank": rank,
             "mpi_size": size,
             "nanny_in_mpi_job": nanny_in_mpi_job,

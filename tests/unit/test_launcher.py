@@ -51,6 +51,7 @@ class _FakeClient:
         from types import SimpleNamespace
 
         self.reply = reply
+        self.status = "running"
         self.scheduler = SimpleNamespace(address="tcp://fake:1", pgas_world=None, pgas_bootstrap=None)
 
     def sync(self, func, **kwargs):
