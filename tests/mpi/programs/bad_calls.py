@@ -287,9 +287,12 @@ case("reshape of a freed symmetric operand", lambda: reshape_of_freed(set(range(
 case("reshape of a freed symmetric operand on one rank", lambda: reshape_of_freed({1}), "SymmetricMemoryError")
 
 
-def execute_after_operand_freed():
+def execute_after_operand_freed(view):
+    """After the operand's allocation is freed, a new allocation of the same size can take its address;
+    execute() must see that the operand's own allocation is gone, also when the operand is a view of it (it read
+    the new allocation)."""
     a = symmetric(col())
-    r = planned(a)
+    r = planned(a[:] if view else a)
     dask_pgas.free_symmetric_memory(a)
     junk = symmetric(col(), GLOBAL * 0 - 5)
     b = None
@@ -300,25 +303,9 @@ def execute_after_operand_freed():
         release(junk, b)
 
 
-case("execute after its symmetric operand was freed", execute_after_operand_freed, "SymmetricMemoryError")
-
-
-def execute_after_view_operands_allocation_freed():
-    """The operand is a view of symmetric memory: after its allocation is freed, a new allocation can take the
-    same address; execute() must still see that the operand's own allocation is gone (it read the new one)."""
-    a = symmetric(col())
-    r = planned(a[:])
-    dask_pgas.free_symmetric_memory(a)
-    junk = symmetric(col(), GLOBAL * 0 - 5)  # the same size: may take the freed memory's place
-    b = None
-    try:
-        b = r.execute()
-    finally:
-        r.free()
-        release(junk, b)
-
-
-case("execute after a view operand's allocation was freed", execute_after_view_operands_allocation_freed,
+case("execute after its symmetric operand was freed", lambda: execute_after_operand_freed(False),
+     "SymmetricMemoryError")
+case("execute after a view operand's allocation was freed", lambda: execute_after_operand_freed(True),
      "SymmetricMemoryError")
 
 
