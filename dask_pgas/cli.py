@@ -213,9 +213,14 @@ class _NoInterruptedGatherNoise(logging.Filter):
     stops waiting at the first one and never retrieves the others); the interruption itself is reported."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        return not (exc is not None and type(exc).__name__ == "AllExit"
-                    and type(exc).__module__ == "distributed.client")
+        if not record.exc_info:
+            return True
+        from distributed.client import AllExit
+
+        return not isinstance(record.exc_info[1], AllExit)
+
+
+_INTERRUPTED_GATHER_NOISE = _NoInterruptedGatherNoise()  # one instance: adding it again is a no-op
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         # distributed would wait for the file for ever; dask-mpi removes it when its cluster shuts down
         w.error(f"no scheduler file {args.scheduler_file}: start the cluster first (dask-mpi "
                 "--scheduler-file ...), or check the path")
-    logging.getLogger("asyncio").addFilter(_NoInterruptedGatherNoise())
+    logging.getLogger("asyncio").addFilter(_INTERRUPTED_GATHER_NOISE)
     try:
         return args.func(args)
     except KeyboardInterrupt:

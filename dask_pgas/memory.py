@@ -236,6 +236,8 @@ def _was_freed(array: Any) -> bool:
 
 
 def _lookup(array: Any) -> tuple[_Record | None, str | None]:
+    """The live allocation whose memory ``array`` is (or views), and why ``array`` cannot be freed (None when it
+    is the array :func:`allocate_symmetric_memory` returned). Local."""
     seq = _by_id.get(id(array))
     if seq is not None:
         rec = _live.get(seq)
@@ -247,7 +249,7 @@ def _lookup(array: Any) -> tuple[_Record | None, str | None]:
         return None, f"expected an array returned by allocate_symmetric_memory, got {type(array).__name__}"
     rec = _record_at(array_info(array).ptr)
     if rec is not None:
-        return None, (
+        return rec, (
             f"the array is a view of symmetric memory ({rec.desc}); free the array that "
             "allocate_symmetric_memory returned"
         )
@@ -288,13 +290,8 @@ def _allocation_of(array: Any) -> int | None:
     :func:`allocate_symmetric_memory` returned, or a view into its memory), or None. A caller that keeps the key
     can tell later whether that allocation is still live (:func:`_is_live`), also when a new allocation has
     taken its address since."""
-    rec, err = _lookup(array)
-    if rec is not None:
-        return rec.seq
-    if err is None or "view of symmetric memory" not in err:
-        return None
     with _lock:
-        rec = _record_at(array_info(array).ptr)
+        rec, _ = _lookup(array)
     return None if rec is None else rec.seq
 
 

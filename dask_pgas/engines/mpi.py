@@ -72,13 +72,12 @@ def _element_type(dtype: np.dtype):
     from mpi4py import MPI
     from mpi4py.util import dtlib
 
-    try:
-        if _has_extended_float(dtype):
-            raise ValueError("moved as raw bytes")
-        datatype = dtlib.from_numpy_dtype(dtype)
-    except (ValueError, TypeError, KeyError, MPI.Exception):  # unmapped (void, byte-swapped, ...), or a type
-        # this MPI lacks (Open MPI 4.1's dtlib raises MPI_ERR_TYPE for float16)
-        datatype = None
+    datatype = None
+    if not _has_extended_float(dtype):
+        try:
+            datatype = dtlib.from_numpy_dtype(dtype)
+        except (ValueError, TypeError, KeyError, MPI.Exception):  # unmapped (void, byte-swapped, ...), or a
+            pass  # type this MPI lacks (Open MPI 4.1's dtlib raises MPI_ERR_TYPE for float16)
     if datatype is not None:
         if datatype.size == dtype.itemsize and datatype.extent == dtype.itemsize:
             if datatype.is_predefined:

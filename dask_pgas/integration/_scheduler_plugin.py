@@ -198,7 +198,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             backends = [backends] if isinstance(backends, str) else list(backends)
             processes: dict = {}
             for w, i in infos.items():
-                processes.setdefault((i["host"], i.get("process")), []).append(w)
+                processes.setdefault((i["host"], i["process"]), []).append(w)
             if shared := [ws for ws in processes.values() if len(ws) > 1]:
                 # one PGAS runtime per process: bringing up one PE per thread waits for ever (NVSHMEM)
                 return {
@@ -206,7 +206,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                     "message": f"workers {sorted(shared[0])} are threads of one process (a LocalCluster with "
                     "processes=False?): a PGAS world needs one process per worker",
                 }
-            nannies = sorted(w for w, i in infos.items() if i.get("nanny_in_mpi_job"))
+            nannies = sorted(w for w, i in infos.items() if i["nanny_in_mpi_job"])
             if nannies and "mpi" in backends:
                 return {
                     "status": "error",
