@@ -73,7 +73,7 @@ def main() -> None:
     n, dtype = args.n, np.float64
     ins, outs = slabs(n, p, 1), slabs(n, p, 0)
     stream = cp.cuda.Stream(non_blocking=True)
-    src = dask_pgas.allocate_symmetric_memory(ins[rank].shape, cp, dtype=dtype, make_symmetric=True)
+    src = dask_pgas.allocate_symmetric_memory(ins[rank].box_shape, cp, dtype=dtype, make_symmetric=True)
     src[...] = cp.arange(src.size, dtype=dtype).reshape(src.shape)
     cp.cuda.Device().synchronize()
 

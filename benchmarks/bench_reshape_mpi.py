@@ -47,7 +47,7 @@ def main() -> None:
     in_box, out_box = Box((0, rank * w), (n, (rank + 1) * w)), Box((rank * w, 0), ((rank + 1) * w, n))
     if args.reverse:
         in_box, out_box = out_box, in_box
-    a = np.random.default_rng(rank).random(in_box.shape)
+    a = np.random.default_rng(rank).random(in_box.box_shape)
     total = n * n * 8
 
     dask_pgas.initialize(None, comm, backends=["mpi"])
@@ -62,7 +62,7 @@ def main() -> None:
     recv = [MPI.DOUBLE.Create_subarray([w, n], [w, w], [0, p * w]).Commit() for p in range(size)]
     if args.reverse:
         send, recv = recv, send
-    out = np.empty(out_box.shape)
+    out = np.empty(out_box.box_shape)
     ones, zeros = [1] * size, [0] * size
     results["bare MPI.Alltoallw"] = timed(
         comm, lambda: comm.Alltoallw([a, (ones, zeros), send], [out, (ones, zeros), recv]), args.repeats

@@ -6,7 +6,7 @@ The PGAS core mirrors ``nvmath.distributed``::
     from dask_pgas.distribution import Box
 
     dask_pgas.initialize(backends=["mpi"])          # or ["nvshmem"] on GPUs
-    b = dask_pgas.reshape.reshape(a, Box(...), Box(...))
+    b = dask_pgas.reshape.reshape(a, Box(...), Box(...))   # nvmath 1.0: dask_pgas.distribution.redistribute
     dask_pgas.finalize()
 """
 
@@ -15,7 +15,7 @@ from ._version import __version__
 from .distribution import Box
 from .engines.nvshmem import get_nvshmem_uniqueid, initialize_from_uniqueid
 from .memory import allocate_symmetric_memory, free_symmetric_memory, heap_usage
-from .reshape import Reshape, ReshapeOptions
+from .reshape import Redistribute, RedistributeOptions, Reshape, ReshapeOptions
 from .runtime import (
     DistributedContext,
     available_backends,
@@ -29,6 +29,8 @@ from .runtime import (
 __all__ = [
     "Box",
     "DistributedContext",
+    "Redistribute",
+    "RedistributeOptions",
     "Reshape",
     "ReshapeOptions",
     "__version__",

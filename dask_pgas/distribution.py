@@ -1,7 +1,10 @@
 """Box distributions: the part of a global array that one process holds.
 
 Mirrors ``nvmath.distributed.distribution.Box``: ``lower`` is inclusive, ``upper`` exclusive, both in global
-coordinates, any number of dimensions. Pure Python: no MPI, CUDA or Dask here.
+coordinates, any number of dimensions; ``box_shape`` is its extent and ``shape(rank, global_shape)`` the local
+shape as nvmath's ``Distribution.shape``. nvmath 1.0's names for the reshape, ``redistribute`` /
+``Redistribute`` / ``RedistributeOptions``, are here too (loaded from :mod:`dask_pgas.reshape` on first use).
+Pure Python: no MPI, CUDA or Dask here.
 """
 
 from __future__ import annotations
@@ -10,7 +13,10 @@ import math
 import operator
 from collections.abc import Iterable, Sequence
 
-__all__ = ["Box"]
+__all__ = ["Box", "Redistribute", "RedistributeOptions", "redistribute"]  # noqa: F822 (the last three: __getattr__)
+
+#: nvmath 1.0 moved ``nvmath.distributed.reshape.reshape`` to ``nvmath.distributed.distribution.redistribute``
+_REDISTRIBUTE = ("Redistribute", "RedistributeOptions", "redistribute")
 
 
 def _coords(values: Iterable[int], name: str) -> tuple[int, ...]:
@@ -24,7 +30,7 @@ def _coords(values: Iterable[int], name: str) -> tuple[int, ...]:
 class Box:
     """A rectangular section ``[lower, upper)`` of a global array.
 
-    >>> Box((0, 2), (4, 4)).shape
+    >>> Box((0, 2), (4, 4)).box_shape
     (4, 2)
     """
 
@@ -65,13 +71,46 @@ class Box:
         return len(self._lower)
 
     @property
-    def shape(self) -> tuple[int, ...]:
+    def box_shape(self) -> tuple[int, ...]:
+        """The box's extent, ``upper - lower`` (as nvmath 1.0's ``Box.box_shape``)."""
         return tuple(up_ - lo_ for lo_, up_ in zip(self._lower, self._upper))
+
+    def shape(self, rank: int, global_shape: Sequence[int] | None = None) -> tuple[int, ...]:
+        """The local shape of process ``rank`` under this distribution, as nvmath's ``Distribution.shape``.
+
+        A Box is one process's own piece, so ``rank`` must be this process's rank once the runtime is up (as in
+        nvmath, the shape of a peer's piece cannot be known from this process's box). ``global_shape``, when
+        given, must contain the box. Unlike nvmath, ``global_shape`` may be left out: a Box is never bound.
+        """
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank must be an integer >= 0, got {rank!r}")
+        from .runtime import get_context  # (imports no MPI or CUDA)
+
+        ctx = get_context()
+        if ctx is not None and rank != ctx.rank:
+            if rank >= ctx.nranks:
+                raise ValueError(f"this is not a valid process rank: got rank={rank} with nranks={ctx.nranks}")
+            raise RuntimeError(f"cannot calculate the local shape of peer process {rank} (this is rank {ctx.rank}) "
+                               "with a Box distribution: a Box is the piece of the process that makes it")
+        if global_shape is not None:
+            whole = _coords(global_shape, "global_shape")
+            inside = all(lo_ >= 0 and up_ <= n for lo_, up_, n in zip(self._lower, self._upper, whole))
+            if len(whole) != self.ndim or not inside:
+                raise ValueError(f"{self!r} does not fit in a global array of shape {whole}")
+        return self.box_shape
+
+    def to(self, cls: type, /, *, ndim: int | None = None, copy: bool = False) -> Box:
+        """This distribution as one of type ``cls`` (as nvmath's ``Distribution.to``); a Box only converts to a Box."""
+        if ndim is not None and ndim != self.ndim:
+            raise ValueError(f"ndim argument ({ndim}) doesn't match this distribution's dimensionality ({self.ndim})")
+        if not (isinstance(cls, type) and issubclass(cls, Box)):
+            raise NotImplementedError(f"a Box converts only to a Box, not to {cls!r}")
+        return self.copy() if copy else self
 
     @property
     def size(self) -> int:
         """Number of elements in the box."""
-        return math.prod(self.shape)
+        return math.prod(self.box_shape)
 
     @property
     def is_empty(self) -> bool:
@@ -121,3 +160,15 @@ class Box:
 
     def __reduce__(self):
         return (Box, (self._lower, self._upper))
+
+
+def __getattr__(name: str):
+    if name in _REDISTRIBUTE:  # (reshape imports this module: loaded on first use, not at import)
+        from . import reshape
+
+        return getattr(reshape, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_REDISTRIBUTE})

@@ -2,6 +2,8 @@
 
 Mirrors ``nvmath.distributed.reshape``: a stateful :class:`Reshape` (plan once, execute many times, free) and
 the function form :func:`reshape`. Every rank passes its own operand and its own input and output boxes.
+nvmath 1.0 renamed them ``nvmath.distributed.distribution.Redistribute`` / ``redistribute`` /
+``RedistributeOptions``: those names are here too (also importable from :mod:`dask_pgas.distribution`).
 
 All checks are collective: each rank describes its call, the descriptions are exchanged, and every rank runs
 the same checks on the same data, so every rank raises the same exception and none is left waiting.
@@ -32,7 +34,7 @@ from .geometry.boxes import bounding_box, tiling_error
 from .memory import _allocate_internal, _allocation_of, _heap_position, _is_live, _was_freed, is_symmetric_memory
 from .runtime import _control_plane, engine_for_package
 
-__all__ = ["Reshape", "ReshapeOptions", "reshape"]
+__all__ = ["Redistribute", "RedistributeOptions", "Reshape", "ReshapeOptions", "redistribute", "reshape"]
 
 _log = logging.getLogger("dask_pgas.reshape")
 
@@ -181,7 +183,8 @@ class Reshape:
         control = _control_plane()
         desc, engine, parsed = self._describe(operand, input_box, output_box, options)
         control.agree(None, "Reshape()")  # every rank is in this call, or all raise
-        self._name = f"Reshape#{control.number('Reshape') + 1}"  # numbered alike on every rank of this world
+        # numbered alike on every rank of this world (one count for Reshape and Redistribute objects)
+        self._name = f"{type(self).__name__}#{control.number('Reshape') + 1}"
         descs = control.allgather(desc)
         _raise_first(descs)
         self._check_global(descs)
@@ -248,9 +251,9 @@ class Reshape:
                 raise UnsupportedOperandError("object arrays cannot be reshaped across processes")
             if ibox.ndim != obox.ndim:
                 raise DistributionError(f"input box {ibox} and output box {obox} differ in dimensionality")
-            if tuple(info.shape) != ibox.shape:
+            if tuple(info.shape) != ibox.box_shape:
                 raise DistributionError(
-                    f"operand shape {tuple(info.shape)} does not match its input box {ibox} (shape {ibox.shape})"
+                    f"operand shape {tuple(info.shape)} does not match its input box {ibox} (shape {ibox.box_shape})"
                 )
             on_gpu = engine.requires_symmetric_operands and info.package in engine.packages
             if on_gpu and not desc["symmetric"]:
@@ -336,9 +339,9 @@ class Reshape:
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
         spec = self._spec
-        if info.shape != spec.input_box.shape or info.dtype != spec.dtype:
+        if info.shape != spec.input_box.box_shape or info.dtype != spec.dtype:
             return (f"the operand was changed in place to shape {info.shape} and dtype {info.dtype}; the plan needs "
-                    f"{spec.input_box.shape} and {spec.dtype}")
+                    f"{spec.input_box.box_shape} and {spec.dtype}")
         if self._operand is self._source and not (info.c_contiguous if spec.order == "C" else info.f_contiguous):
             return f"the operand is no longer {spec.order}-contiguous, as it was when planned"
         return None
@@ -412,10 +415,10 @@ class Reshape:
             if _was_freed(operand):  # its memory may belong to another allocation now
                 raise SymmetricMemoryError(_FREED_OPERAND + ": pass a live array")
             info = array_info(operand)
-            if info.shape != self._spec.input_box.shape or info.dtype != self._spec.dtype:
+            if info.shape != self._spec.input_box.box_shape or info.dtype != self._spec.dtype:
                 raise UnsupportedOperandError(
                     f"new operand has shape {info.shape} and dtype {info.dtype}; the plan needs "
-                    f"{self._spec.input_box.shape} and {self._spec.dtype}"
+                    f"{self._spec.input_box.box_shape} and {self._spec.dtype}"
                 )
             tracked = _allocation_of(operand)
             symmetric = self._engine.on_heap(operand) or tracked is not None
@@ -475,7 +478,7 @@ class Reshape:
         except Exception as exc:  # reported to all ranks, never raised alone
             sync = ("sync_symmetric_memory", None)
             error = error or (TypeError, f"sync_symmetric_memory must be True or False ({type(exc).__name__}: {exc})")
-        shape, order = self._spec.output_box.shape, self._spec.order
+        shape, order = self._spec.output_box.box_shape, self._spec.order
         result = None
         if error is None and not self._symmetric:  # local: allocated before the agreement, which covers its failure
             try:
@@ -582,10 +585,8 @@ class Reshape:
 
 def reshape(
     operand: Any,
-    /,
     input_box: Box | Any,
     output_box: Box | Any,
-    *,
     sync_symmetric_memory: bool = True,
     options: ReshapeOptions | dict | None = None,
     stream: Any = None,
@@ -595,5 +596,42 @@ def reshape(
     A convenience wrapper of :class:`Reshape`; returns this rank's output box as a new array.
     """
     with Reshape(operand, input_box, output_box, options=options, stream=stream) as r:
+        r.plan(stream=stream)
+        return r.execute(stream=stream, sync_symmetric_memory=sync_symmetric_memory)
+
+
+@dataclass
+class RedistributeOptions(ReshapeOptions):
+    """nvmath 1.0's name for :class:`ReshapeOptions` (the same fields: ``logger``, ``blocking``)."""
+
+
+class Redistribute(Reshape):
+    """nvmath 1.0's name for :class:`Reshape` (``nvmath.distributed.distribution.Redistribute``): the same object,
+    with the distributions named ``input_distribution`` and ``output_distribution``. A distribution is a
+    :class:`Box` (or a ``(lower, upper)`` pair), as for :class:`Reshape`."""
+
+    def __init__(
+        self,
+        operand: Any,
+        /,
+        input_distribution: Box | Any,
+        output_distribution: Box | Any,
+        *,
+        options: ReshapeOptions | dict | None = None,
+        stream: Any = None,
+    ) -> None:
+        super().__init__(operand, input_distribution, output_distribution, options=options, stream=stream)
+
+
+def redistribute(
+    operand: Any,
+    input_distribution: Box | Any,
+    output_distribution: Box | Any,
+    sync_symmetric_memory: bool = True,
+    options: ReshapeOptions | dict | None = None,
+    stream: Any = None,
+) -> Any:
+    """nvmath 1.0's name for :func:`reshape` (``nvmath.distributed.distribution.redistribute``)."""
+    with Redistribute(operand, input_distribution, output_distribution, options=options, stream=stream) as r:
         r.plan(stream=stream)
         return r.execute(stream=stream, sync_symmetric_memory=sync_symmetric_memory)

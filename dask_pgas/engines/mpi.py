@@ -102,7 +102,7 @@ def subarray_type(base, whole: Box, piece: Box, order):
     """The committed MPI datatype of ``piece`` of ``whole`` (global boxes) in a buffer laid out as ``whole`` in
     ``order`` (``MPI.ORDER_C`` or ``MPI.ORDER_FORTRAN``), with ``base`` elements; the caller frees it."""
     starts = [p - w for p, w in zip(piece.lower, whole.lower)]
-    return base.Create_subarray(list(whole.shape), list(piece.shape), starts, order=order).Commit()
+    return base.Create_subarray(list(whole.box_shape), list(piece.box_shape), starts, order=order).Commit()
 
 
 _PACK_CHOICES = ("auto", "always", "never")
@@ -202,14 +202,14 @@ class MPIReshapePlan(ReshapePlan):
     def execute(self, src: Any, dst: Any, *, stream: Any = None, sync_symmetric_memory: bool = True) -> None:
         if self._comm is None:
             raise RuntimeError("this plan was freed")
-        sbuf = self._flat(src, self.spec.input_box.shape, "source")
-        rbuf = self._flat(dst, self.spec.output_box.shape, "destination")
+        sbuf = self._flat(src, self.spec.input_box.box_shape, "source")
+        rbuf = self._flat(dst, self.spec.output_box.box_shape, "destination")
         raw = np.dtype((np.void, self.spec.dtype.itemsize))  # byte-exact copies: no string or float semantics
         if self._pack_buffer is not None:
             source, order = src.view(raw), self.spec.order
             for piece, slices, position in self._pack:
                 run = self._pack_buffer[position : position + piece.size * raw.itemsize]
-                run.view(raw).reshape(piece.shape, order=order)[...] = source[slices]
+                run.view(raw).reshape(piece.box_shape, order=order)[...] = source[slices]
             sbuf = self._pack_buffer
         # Every rank takes part, even with nothing to send or receive: peers' plans count on it.
         self._comm.Alltoallw(

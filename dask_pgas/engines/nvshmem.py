@@ -877,9 +877,9 @@ class NVSHMEMReshapePlan(ReshapePlan):
                     if piece is None:
                         continue
                     if out_view is None:
-                        out_view = _word_view(dst, my_out.shape, item, eng.device)
+                        out_view = _word_view(dst, my_out.box_shape, item, eng.device)
                     base = src if pe == spec.rank else eng.nv.ptr(src, pe)
-                    in_view = _word_view(base, in_box.shape, item, eng.device)
+                    in_view = _word_view(base, in_box.box_shape, item, eng.device)
                     _copy(out_view[piece.relative_to(my_out)], in_view[piece.relative_to(in_box)])
         finally:
             # peers may reuse their input only once every pull is done; a PE whose copies failed still takes

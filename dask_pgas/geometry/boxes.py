@@ -56,8 +56,8 @@ def tiling_error(boxes: Sequence[Box], what: str = "boxes") -> str | None:
 def contiguous_offset(whole: Box, piece: Box, order: str = "C") -> int | None:
     """Element offset of ``piece`` inside a dense array holding ``whole`` when the piece is one contiguous run
     of that array's memory (``order`` "C" or "F"), else None."""
-    shape, lower = list(piece.shape), [p - w for p, w in zip(piece.lower, whole.lower)]
-    full = list(whole.shape)
+    shape, lower = list(piece.box_shape), [p - w for p, w in zip(piece.lower, whole.lower)]
+    full = list(whole.box_shape)
     if order == "F":
         shape, lower, full = shape[::-1], lower[::-1], full[::-1]
     k = next((i for i, n in enumerate(shape) if n != 1), len(shape))

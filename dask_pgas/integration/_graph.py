@@ -145,7 +145,7 @@ def build_graph(x, plan, name: str, epoch: int, spec: RunSpec) -> dict:
         box = plan.output_boxes[pe]
         for p in pieces:
             key = (name, *p.index)
-            whole = tuple(s.stop - s.start for s in p.box_slices) == box.shape
+            whole = tuple(s.stop - s.start for s in p.box_slices) == box.box_shape
             dsk[key] = PinnedTask(key, output, name, pe, epoch, plan.npes, p.box_slices, whole, TaskRef(bname),
                                   pe=pe, epoch=epoch, npes=plan.npes)
             done.add(p.index)

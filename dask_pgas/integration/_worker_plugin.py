@@ -673,19 +673,19 @@ class PGASWorkerPlugin(WorkerPlugin):
         if buffers is None and len(pieces) == 1:
             chunk_slices, box_slices = pieces[0]
             view = arrays[0][chunk_slices]
-            if (type(view) is np.ndarray and view.shape == in_box.shape and view.dtype == dtype
+            if (type(view) is np.ndarray and view.shape == in_box.box_shape and view.dtype == dtype
                     and view.flags.c_contiguous):
                 src = view
         if src is None:  # operands off the heap (MPI) pack into local scratch memory: no collective
             buf = buffers[0] if buffers else self._scratch(in_box.size * dtype.itemsize)
-            src = buf[: in_box.size * dtype.itemsize].view(dtype).reshape(in_box.shape)
+            src = buf[: in_box.size * dtype.itemsize].view(dtype).reshape(in_box.box_shape)
             for (chunk_slices, box_slices), arr in zip(pieces, arrays):
                 src[box_slices] = arr[chunk_slices]
         if buffers:
-            dst = buffers[1][: out_box.size * dtype.itemsize].view(dtype).reshape(out_box.shape)
+            dst = buffers[1][: out_box.size * dtype.itemsize].view(dtype).reshape(out_box.box_shape)
         else:
-            dst = (self._pool.empty(out_box.shape, dtype) if spec.package == "numpy"
-                   else engine.empty(out_box.shape, dtype, spec.package))
+            dst = (self._pool.empty(out_box.box_shape, dtype) if spec.package == "numpy"
+                   else engine.empty(out_box.box_shape, dtype, spec.package))
         return plan, src, dst
 
 

@@ -89,7 +89,7 @@ def main() -> None:
     src = np.ascontiguousarray(g[mi.relative_to(everything)])
     want = g[mo.relative_to(everything)].copy()
     del g
-    dst = np.ones(mo.shape)  # pages faulted in once, as the engine's output pool does
+    dst = np.ones(mo.box_shape)  # pages faulted in once, as the engine's output pool does
     counts = [int(t) for t in args.threads.split(",")]
     results = {}
     for k in counts:

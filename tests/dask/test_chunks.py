@@ -59,7 +59,7 @@ def test_plan_tiles_and_aligns(grid, npes, data):
     assert (_cover(plan.output_boxes, shape) == 1).all()
     # input pieces fill each PE's input box exactly
     for pe, box in enumerate(plan.input_boxes):
-        fill = np.zeros(box.shape, dtype=int)
+        fill = np.zeros(box.box_shape, dtype=int)
         for p in plan.inputs[pe]:
             size = [s.stop - s.start for s in p.chunk_slices]
             assert size == [s.stop - s.start for s in p.box_slices]
@@ -216,7 +216,7 @@ def test_axis_pieces_match_the_whole_axis_and_rebuild_the_box(chunks, data):
     box = Box((lo, 1), (up, 5))
     grid = np.arange(n * 5).reshape(n, 5)
     starts2 = np.concatenate(([0], np.cumsum(other)))
-    out = np.full(box.shape, -1)
+    out = np.full(box.box_shape, -1)
     for (i, j), chunk_slices, box_slices in _box_pieces((chunks, other), box):
         block = grid[starts[i]:starts[i + 1], starts2[j]:starts2[j + 1]]
         out[box_slices] = block[chunk_slices]

@@ -21,6 +21,32 @@ def test_public_names():
     assert callable(dask_pgas.reshape.reshape) and dask_pgas.distribution.Box is dask_pgas.Box
 
 
+def test_nvmath_1_0_names():
+    """nvmath 1.0 moved the reshape to ``distribution.redistribute`` / ``Redistribute`` / ``RedistributeOptions``:
+    the same operation and options under those names (and argument names), loaded on first use."""
+    import inspect
+
+    from dask_pgas import distribution, reshape
+
+    assert distribution.Redistribute is dask_pgas.Redistribute is reshape.Redistribute
+    assert issubclass(distribution.Redistribute, dask_pgas.Reshape)
+    assert distribution.redistribute is reshape.redistribute
+    assert {"Redistribute", "RedistributeOptions", "redistribute"} <= set(dir(distribution))
+    opts = distribution.RedistributeOptions(blocking=True)
+    assert isinstance(opts, ReshapeOptions) and opts.blocking is True and opts.logger is None
+    with pytest.raises(ValueError, match="blocking"):
+        distribution.RedistributeOptions(blocking="sometimes")
+    params = list(inspect.signature(distribution.redistribute).parameters)
+    assert params == ["operand", "input_distribution", "output_distribution", "sync_symmetric_memory", "options",
+                      "stream"]
+    assert list(inspect.signature(reshape.reshape).parameters) == ["operand", "input_box", "output_box",
+                                                                   "sync_symmetric_memory", "options", "stream"]
+    init = inspect.signature(distribution.Redistribute).parameters
+    assert list(init)[:3] == ["operand", "input_distribution", "output_distribution"]
+    with pytest.raises(AttributeError):
+        distribution.Slab  # noqa: B018 (not provided: a Box is the only distribution here)
+
+
 def test_integration_names_are_listed_but_loaded_on_first_use():
     """``dir()``, tab completion and ``import *`` show the Dask integration; a bare import still loads no
     distributed (a fresh interpreter: this one may have loaded it already)."""

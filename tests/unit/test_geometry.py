@@ -15,7 +15,7 @@ from dask_pgas.geometry.boxes import bounding_box, tiling_error
 
 def test_box_basics():
     b = Box((0, 2), (4, 4))
-    assert b.shape == (4, 2) and b.ndim == 2 and b.size == 8 and not b.is_empty
+    assert b.box_shape == (4, 2) and b.ndim == 2 and b.size == 8 and not b.is_empty
     assert b == Box([0, 2], np.array([4, 4])) and hash(b) == hash(Box((0, 2), (4, 4)))
     assert pickle.loads(pickle.dumps(b)) == b
     lower, upper = b
@@ -31,6 +31,26 @@ def test_box_indexes_and_copies_like_nvmath():
         b[2]
     c = b.copy()
     assert c == b and c is not b and hash(c) == hash(b)
+
+
+def test_box_shape_and_to_like_nvmath():
+    """nvmath's ``Distribution.shape(rank, global_shape)`` is a method (the extent is ``box_shape``, as in nvmath
+    1.0), and ``to(Box)`` converts to itself. Without a runtime any rank is taken as this process's own."""
+    b = Box((0, 2), (4, 6))
+    assert b.shape(0) == b.shape(3, (4, 8)) == b.shape(1, global_shape=[5, 6]) == (4, 4)
+    for rank in (-1, 1.0, True, "0"):
+        with pytest.raises(ValueError, match="rank must be an integer"):
+            b.shape(rank)
+    for whole in [(4, 5), (4,), (4, 6, 1)]:
+        with pytest.raises(ValueError, match="does not fit"):
+            b.shape(0, whole)
+    assert b.to(Box) is b and b.to(Box, ndim=2) is b
+    c = b.to(Box, copy=True)
+    assert c == b and c is not b
+    with pytest.raises(ValueError, match="ndim"):
+        b.to(Box, ndim=3)
+    with pytest.raises(NotImplementedError):
+        b.to(tuple)
 
 
 @pytest.mark.parametrize(

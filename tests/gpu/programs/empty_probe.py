@@ -22,7 +22,7 @@ cuts_out = [n * i // (size - 1) for i in range(size)] + [n]
 ins = [Box((0, cuts_in[i]), (n, cuts_in[i + 1])) for i in range(size)]
 outs = [Box((cuts_out[i], 0), (cuts_out[i + 1], n)) for i in range(size)]
 g = np.arange(n * n, dtype=np.float64).reshape(n, n)
-a = dask_pgas.allocate_symmetric_memory(ins[rank].shape, cp, make_symmetric=True)
+a = dask_pgas.allocate_symmetric_memory(ins[rank].box_shape, cp, make_symmetric=True)
 if a.size:
     a.set(np.ascontiguousarray(g[:, cuts_in[rank]:cuts_in[rank + 1]]))
 r = Reshape(a, ins[rank], outs[rank])

@@ -56,7 +56,7 @@ n = 96
 ins = [Box((0, n * i // SIZE), (n, n * (i + 1) // SIZE)) for i in range(SIZE)]
 outs = [Box((n * i // SIZE, 0), (n * (i + 1) // SIZE, n)) for i in range(SIZE)]
 g = np.arange(n * n, dtype=np.float64).reshape(n, n)
-a = dask_pgas.allocate_symmetric_memory(ins[RANK].shape, cp, make_symmetric=True)
+a = dask_pgas.allocate_symmetric_memory(ins[RANK].box_shape, cp, make_symmetric=True)
 a.set(np.ascontiguousarray(g[:, n * RANK // SIZE: n * (RANK + 1) // SIZE]))
 for _ in range(0 if NO_RESHAPE else 3):
     with Reshape(a, ins[RANK], outs[RANK]) as r:

@@ -42,7 +42,7 @@ def piece(box, g=GLOBAL, order="C"):
 
 
 def symmetric(box, g=GLOBAL):
-    a = dask_pgas.allocate_symmetric_memory(box.shape, np)
+    a = dask_pgas.allocate_symmetric_memory(box.box_shape, np)
     a[...] = piece(box, g)
     return a
 
@@ -142,7 +142,7 @@ def allocate_beside_reshape():
     a = None
     try:
         if RANK == 1:
-            a = dask_pgas.allocate_symmetric_memory(col().shape, np)
+            a = dask_pgas.allocate_symmetric_memory(col().box_shape, np)
         else:
             reshape(piece(col()), col(), row())
     finally:
@@ -427,7 +427,7 @@ def reset_to_other_layout():
         r.reset_operand(new)
         assert np.array_equal(r.execute(), piece(row(), GLOBAL * 5))
         new[...] = 7
-        assert np.array_equal(r.execute(), np.full(row().shape, 7.0))
+        assert np.array_equal(r.execute(), np.full(row().box_shape, 7.0))
 
 
 case("reset_operand to another layout: in-place updates seen", reset_to_other_layout)

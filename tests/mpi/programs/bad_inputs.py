@@ -49,9 +49,9 @@ def release(*arrays):
 def case(name, fn):
     report_case(name, outcome_of(fn))
     # the world still works: a valid reshape right after
-    a = operand(col().shape)
+    a = operand(col().box_shape)
     b = reshape(a, col(), row())
-    ok = b.shape == row().shape
+    ok = b.shape == row().box_shape
     release(a, b)
     assert COMM.allreduce(ok), "world broken after case " + name
 
@@ -70,7 +70,7 @@ case("dimensionality differs across ranks", lambda: run(
     row() if RANK else Box((0, 0, 0), (4, N, 1)),
 ))
 case("input and output box dimensionality differ", lambda: run(
-    operand(col().shape), col(), Box((4 * RANK, 0, 0), (4 * RANK + 4, N, 1)) if RANK == SIZE - 1 else row()
+    operand(col().box_shape), col(), Box((4 * RANK, 0, 0), (4 * RANK + 4, N, 1)) if RANK == SIZE - 1 else row()
 ))
 case("operand shape differs from its input box", lambda: run(
     operand((N, 3) if RANK == 1 else (N, 4)), col(), row()
@@ -83,22 +83,22 @@ case("input boxes leave a hole", lambda: run(
     row(),
 ))
 case("input and output domains differ", lambda: run(
-    operand(col().shape), col(), Box((4 * RANK, 0), (4 * RANK + 4, N + 1)) if True else row()
+    operand(col().box_shape), col(), Box((4 * RANK, 0), (4 * RANK + 4, N + 1)) if True else row()
 ))
 case("dtypes differ across ranks", lambda: run(
-    operand(col().shape, "float32" if RANK == 1 else "float64"), col(), row()
+    operand(col().box_shape, "float32" if RANK == 1 else "float64"), col(), row()
 ))
 case("operand is not an array on one rank", lambda: reshape(
-    [[0.0] * 4] * N if RANK == 1 else np.zeros(col().shape), col(), row()
-) if not GPU else run(operand(col().shape) if RANK != 1 else [[0.0] * 4] * N, col(), row()))
+    [[0.0] * 4] * N if RANK == 1 else np.zeros(col().box_shape), col(), row()
+) if not GPU else run(operand(col().box_shape) if RANK != 1 else [[0.0] * 4] * N, col(), row()))
 case("box given as a malformed pair on one rank", lambda: run(
-    operand(col().shape), ((0, 0, 0),) if RANK == 0 else col(), row()
+    operand(col().box_shape), ((0, 0, 0),) if RANK == 0 else col(), row()
 ))
 def mixed_memory():
     """Symmetric memory is allocated collectively; one rank then passes an array that is not on the heap."""
-    sym = dask_pgas.allocate_symmetric_memory(col().shape, opts.package, make_symmetric=True)
+    sym = dask_pgas.allocate_symmetric_memory(col().box_shape, opts.package, make_symmetric=True)
     try:
-        other = _off_heap(col().shape) if GPU else np.zeros(col().shape)
+        other = _off_heap(col().box_shape) if GPU else np.zeros(col().box_shape)
         run_plain = sym if RANK != 1 else other
         b = reshape(run_plain, col(), row())
         release(b)

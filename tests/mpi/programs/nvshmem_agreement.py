@@ -275,7 +275,7 @@ def read_once(name, value):
             os.environ[name] = value
         col = Box((0, 4 * RANK), (4 * SIZE, 4 * RANK + 4))
         row = Box((4 * RANK, 0), (4 * RANK + 4, 4 * SIZE))
-        with dask_pgas.Reshape(np.zeros(col.shape), col, row) as r:
+        with dask_pgas.Reshape(np.zeros(col.box_shape), col, row) as r:
             r.plan()
             assert r._plan.mode == "cufftmp", r._plan.mode
             r.execute()
@@ -312,14 +312,14 @@ def failing(where, what):
             cufftmp.load = _no_cufftmp
         else:
             where.fail = what
-    result = reshape(np.zeros(col().shape), col(), row())
-    assert result.shape == row().shape
+    result = reshape(np.zeros(col().box_shape), col(), row())
+    assert result.shape == row().box_shape
 
 
 def healthy():
     """A valid reshape right after a case: nobody is stuck, nothing leaked (heap blocks, cuFFTMp handles)."""
-    result = reshape(np.zeros(col().shape), col(), row())
-    assert result.shape == row().shape
+    result = reshape(np.zeros(col().box_shape), col(), row())
+    assert result.shape == row().box_shape
     assert ENGINE.heap_info()["heap_allocations"] == 0, ENGINE.heap_info()
     assert not CF.handles, f"cuFFTMp handles left: {CF.handles}"
 
@@ -327,7 +327,7 @@ def healthy():
 def failing_everywhere(where, what):
     """``failing`` with ``what`` failing on every rank."""
     where.fail = what
-    reshape(np.zeros(col().shape), col(), row())
+    reshape(np.zeros(col().box_shape), col(), row())
 
 
 def leaked_handles(made):
@@ -386,10 +386,10 @@ def peer_copies_on_host(fail=False):
 
 def peer_reshape(fail=False):
     with peer_copies_on_host(fail):
-        with dask_pgas.Reshape(np.zeros(col().shape), col(), row()) as r:
+        with dask_pgas.Reshape(np.zeros(col().box_shape), col(), row()) as r:
             r.plan()
             assert r._plan.mode == "peer", r._plan.mode
-            assert r.execute().shape == row().shape
+            assert r.execute().shape == row().box_shape
     assert ENGINE.heap_info()["heap_allocations"] == 0, ENGINE.heap_info()
 
 
@@ -573,7 +573,7 @@ def run_spec(dtype):
 
 def stage_and_run(plugin, spec):
     plugin.stage("run", RANK, 0, SIZE, spec, ((tuple(slice(None) for _ in range(2)),) * 2,),
-                 (np.zeros(spec.input_boxes[RANK].shape),))
+                 (np.zeros(spec.input_boxes[RANK].box_shape),))
     return plugin._run("run", 0)
 
 
@@ -626,7 +626,7 @@ def copy_out_fails_on_one_rank():
         finally:
             _NoCopy.failing = False
         _, result = stage_and_run(plugin, spec)
-        assert type(result) is np.ndarray and result.shape == row().shape, (type(result), result.shape)
+        assert type(result) is np.ndarray and result.shape == row().box_shape, (type(result), result.shape)
 
 
 case("plugin: staging buffers cannot grow, heap full on every PE", lambda: plugin_run(False))

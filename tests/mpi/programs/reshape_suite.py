@@ -161,7 +161,52 @@ def fixed_cases():
         run_case(dict(shape=shape, dtype=np.dtype(dtype), order=order, kind=KINDS[0], seed=7))
 
 
+def nvmath_names():
+    """One random layout through each name nvmath has had for the operation: 0.x's ``reshape.reshape`` (its
+    optional arguments given positionally, as nvmath allows) and 1.0's ``distribution.redistribute`` /
+    ``Redistribute`` / ``RedistributeOptions`` (keyword names ``input_distribution`` / ``output_distribution``),
+    each against the NumPy reference; ``Box.shape(rank, global_shape)`` is this rank's local shape."""
+    from dask_pgas import distribution, reshape
+
+    shape, dtype = (13, 7), np.dtype("int32")
+    rnd = random.Random(11)
+    ins, outs = partition(shape, SIZE, rnd), partition(shape, SIZE, rnd)
+    glob = global_array(shape, dtype, 11)
+    my_in, my_out = Box(*ins[RANK]), Box(*outs[RANK])
+    local, expect = piece(glob, my_in, "C"), piece(glob, my_out, "C")
+    ok, why = my_in.shape(RANK, shape) == local.shape, "Box.shape(rank, global_shape) is not the local shape"
+    for peer, error in [((RANK + 1) % SIZE, RuntimeError), (SIZE, ValueError)]:  # (as nvmath's Box.shape)
+        if peer != RANK:
+            try:
+                my_in.shape(peer, shape)
+                ok, why = False, f"Box.shape({peer}) on rank {RANK} of {SIZE} did not raise"
+            except error:
+                pass
+    forms = {
+        "reshape.reshape, positional": lambda: reshape.reshape(local, my_in, my_out, True, {"blocking": True}, None),
+        "distribution.redistribute": lambda: distribution.redistribute(
+            local, input_distribution=my_in, output_distribution=my_out,
+            options=distribution.RedistributeOptions(blocking=True)),
+    }
+
+    def stateful():
+        with distribution.Redistribute(local, input_distribution=my_in, output_distribution=my_out) as r:
+            r.plan()
+            return r.execute()
+
+    forms["distribution.Redistribute"] = stateful
+    for name, run in forms.items():
+        try:
+            if not matches(run(), expect):
+                ok, why = False, f"{name} differs from the reference"
+        except Exception as exc:  # every rank still reaches the verdict below
+            ok, why = False, f"{name} raised {type(exc).__name__}: {exc}"
+    assert all_ok(ok), f"rank {RANK}: {why or 'another rank failed'}, boxes in={ins} out={outs}"
+
+
 fixed_cases()
+if opts.package == "numpy":
+    nvmath_names()
 test_random_layouts()
 usage = dask_pgas.heap_usage()
 assert usage["allocations"] == 0, f"symmetric memory leaked: {usage}"
