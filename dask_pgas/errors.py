@@ -14,6 +14,7 @@ __all__ = [
     "CollectiveMismatchError",
     "DistributionError",
     "NotInitializedError",
+    "OperandMismatchError",
     "PGASError",
     "PGASRechunkUnsupported",
     "PGASWorldError",
@@ -46,6 +47,12 @@ class DistributionError(PGASError, ValueError):
 
 class UnsupportedOperandError(PGASError, TypeError):
     """An operand of a type, dtype, layout or memory kind the engine cannot use."""
+
+
+class OperandMismatchError(UnsupportedOperandError, ValueError):
+    """An operand whose shape or dtype does not match the plan's or whose dtype or package differs from the
+    other ranks' operands. A ``ValueError``, as ``nvmath.distributed`` raises there (and, as before, an
+    :class:`UnsupportedOperandError`)."""
 
 
 class SymmetricMemoryError(PGASError, ValueError):

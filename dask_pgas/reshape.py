@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -26,6 +27,7 @@ from .engines.base import Engine, ReshapePlan, ReshapeSpec
 from .errors import (
     BackendUnavailableError,
     DistributionError,
+    OperandMismatchError,
     RuntimeStateError,
     SymmetricMemoryError,
     UnsupportedOperandError,
@@ -44,7 +46,10 @@ class ReshapeOptions:
     """Options of a reshape.
 
     Attributes:
-        logger: where plan and execution details are logged (default: the ``dask_pgas.reshape`` logger).
+        logger: where the object's steps are logged, at INFO as ``nvmath.distributed`` logs them: creation (global
+            shape, dtype, package, boxes, engine), planning and its time, each ``execute()`` and its time, the
+            release. Default: the ``dask_pgas.reshape`` logger, whose records reach the root logger's handlers
+            (``logging.basicConfig(level=logging.INFO)`` shows them).
         blocking: ``True`` waits for completion; ``"auto"`` blocks for host operands and is stream-ordered
             (returns at once) for GPU operands.
     """
@@ -87,8 +92,8 @@ _FREED_OPERAND = (
 _RAISABLE = {
     cls.__name__: cls
     for cls in (
-        DistributionError, UnsupportedOperandError, SymmetricMemoryError, BackendUnavailableError,
-        RuntimeStateError, TypeError, ValueError, MemoryError,
+        DistributionError, UnsupportedOperandError, OperandMismatchError, SymmetricMemoryError,
+        BackendUnavailableError, RuntimeStateError, TypeError, ValueError, MemoryError,
     )
 }
 
@@ -215,10 +220,12 @@ class Reshape:
         # the registered allocation holding the operand, if any: checked at each execute (its address alone could
         # belong to a newer allocation once it is freed)
         self._tracked = _allocation_of(operand)
-        self.logger.debug(
-            "rank %d: reshape %s -> %s (%s, order %s, %d ranks) on the %s engine",
-            control.rank, self._spec.input_box, self._spec.output_box, self._spec.dtype, self._spec.order,
-            self._spec.nranks, engine.name,
+        domain = bounding_box(self._spec.input_boxes)
+        self.logger.info(
+            "%s (rank %d of %d): global shape %s, %s %s operand%s, %s -> %s, order %s, on the %s engine: created",
+            self._name, control.rank, self._spec.nranks, domain.box_shape if domain else "(empty)",
+            self._package, self._spec.dtype, " (symmetric memory)" if self._symmetric else "",
+            self._spec.input_box, self._spec.output_box, self._spec.order, engine.name,
         )
 
     # -- collective validation ------------------------------------------------------------------------------
@@ -282,7 +289,7 @@ class Reshape:
         for key, what in (("package", "array packages"), ("dtype", "dtypes")):
             values = [d[key] for d in descs]
             if any(v != values[0] for v in values):
-                raise UnsupportedOperandError(f"operands have different {what} across ranks ({_by_rank(values)})")
+                raise OperandMismatchError(f"operands have different {what} across ranks ({_by_rank(values)})")
         sym = [d["symmetric"] for d in descs]
         if any(sym) and not all(sym):
             raise SymmetricMemoryError(
@@ -381,6 +388,8 @@ class Reshape:
         # the MPI engine builds its plans locally: one rank failing (no memory for its pack buffer) must not leave
         # the others to their next collective; a GPU engine's plan fails on every rank alike, and then so does this
         plan, error = None, None
+        self.logger.info("%s: planning", self._name)
+        t0 = time.perf_counter()
         try:
             plan = self._engine.plan_reshape(self._spec)
         except Exception as exc:
@@ -392,6 +401,7 @@ class Reshape:
                 plan.free()
             raise
         self._plan = plan
+        self.logger.info("%s: planned in %.3f ms", self._name, (time.perf_counter() - t0) * 1e3)
 
     def reset_operand(self, operand: Any, *, stream: Any = None) -> None:
         """Use a new operand of the same shape, dtype, package and memory kind (collective).
@@ -416,7 +426,7 @@ class Reshape:
                 raise SymmetricMemoryError(_FREED_OPERAND + ": pass a live array")
             info = array_info(operand)
             if info.shape != self._spec.input_box.box_shape or info.dtype != self._spec.dtype:
-                raise UnsupportedOperandError(
+                raise OperandMismatchError(
                     f"new operand has shape {info.shape} and dtype {info.dtype}; the plan needs "
                     f"{self._spec.input_box.box_shape} and {self._spec.dtype}"
                 )
@@ -471,7 +481,7 @@ class Reshape:
             elif self._tracked is not None and not _is_live(self._tracked):
                 error = (SymmetricMemoryError, _FREED_OPERAND + ": give a live one with reset_operand()")
             elif (why := self._operand_mismatch()) is not None:
-                error = (UnsupportedOperandError, why)
+                error = (OperandMismatchError, why)
         # the only exchange on the hot path when all is well; sync_symmetric_memory decides a collective step
         try:
             sync = ("sync_symmetric_memory", bool(sync_symmetric_memory))
@@ -495,13 +505,19 @@ class Reshape:
             padded = max(b.size for b in self._spec.output_boxes) * self._spec.dtype.itemsize
             result = _allocate_internal(self._engine, padded, shape, self._spec.dtype, self._package, order)
         stream = stream if stream is not None else self._stream
+        blocking = self.options.blocking
+        blocks = blocking is True or (blocking == "auto" and self._package == "numpy")
+        self.logger.info("%s: execute() starts (%s, sync_symmetric_memory=%s)", self._name,
+                         "blocking" if blocks else "stream-ordered: returns before the GPU is done", sync[1])
+        t0 = time.perf_counter()
         self._plan.execute(self._operand, result, stream=stream, sync_symmetric_memory=sync[1])
         self._remember(result)
-        blocking = self.options.blocking
-        if blocking is True or (blocking == "auto" and self._package == "numpy"):
+        if blocks:
             synchronize = getattr(self._plan, "synchronize", None)
             if synchronize is not None:
                 synchronize(stream)
+        self.logger.info("%s: execute() %s in %.3f ms", self._name, "ended" if blocks else "enqueued",
+                         (time.perf_counter() - t0) * 1e3)
         return result
 
     _POOL = 2  # results kept for reuse: enough for ``b = r.execute()`` in a loop
@@ -549,6 +565,7 @@ class Reshape:
         if self._plan is not None:
             plan, self._plan = self._plan, None
             plan.free()
+        self.logger.info("%s: resources released", self._name)
 
     def _agree_call(self, control: Any, error: tuple[type[BaseException], str] | None, method: str,
                     same: tuple[str, Any] | None = None) -> None:

@@ -30,9 +30,11 @@ def test_bad_inputs_raise_the_same_error_on_every_rank(nranks):
     _, outcomes = run_cases("bad_inputs.py", nranks, timeout=180)  # hangs fail; ranks agree
     assert len(outcomes) == 10, sorted(outcomes)
     for name, outcome in outcomes.items():
-        assert outcome["raised"] in {"DistributionError", "UnsupportedOperandError", "SymmetricMemoryError",
-                                     "TypeError"}, (name, outcome)
+        assert outcome["raised"] in {"DistributionError", "UnsupportedOperandError", "OperandMismatchError",
+                                     "SymmetricMemoryError", "TypeError"}, (name, outcome)
         assert outcome["message"].strip(), name
+    # a ValueError, as nvmath raises for operands whose dtypes differ across processes
+    assert outcomes["dtypes differ across ranks"]["raised"] == "OperandMismatchError"
 
 
 @pytest.mark.parametrize("nranks", [1, 3])

@@ -70,6 +70,7 @@ def test_integration_names_are_listed_but_loaded_on_first_use():
 def test_errors_are_builtin_subclasses_and_pickle():
     for cls, base in [(errors.DistributionError, ValueError), (errors.NotInitializedError, RuntimeError),
                       (errors.UnsupportedOperandError, TypeError), (errors.SymmetricMemoryError, ValueError),
+                      (errors.OperandMismatchError, ValueError), (errors.OperandMismatchError, TypeError),
                       (errors.CollectiveMismatchError, errors.CollectiveError),
                       (errors.PGASWorldError, RuntimeError), (errors.PGASRechunkUnsupported, NotImplementedError)]:
         exc = cls("what to do")
@@ -205,6 +206,35 @@ def test_single_process_reshape_in_this_process():
     finally:
         dask_pgas.finalize()
     assert not dask_pgas.is_initialized()
+
+
+def test_steps_are_logged_at_info_and_mismatches_are_value_errors(caplog):
+    """As nvmath: each step of a Reshape is logged at INFO (creation, planning, every execute, the release), and a
+    new operand of another shape or dtype is a ValueError (still an UnsupportedOperandError, as before)."""
+    import logging
+
+    from mpi4py import MPI
+
+    dask_pgas.initialize(None, MPI.COMM_SELF, backends=["mpi"])
+    try:
+        a = np.arange(6.0).reshape(2, 3)
+        box = dask_pgas.Box((0, 0), (2, 3))
+        with caplog.at_level(logging.INFO, logger="dask_pgas.reshape"):
+            with dask_pgas.Reshape(a, box, box) as r:
+                r.plan()
+                r.execute()
+                for bad in (np.zeros((3, 2)), np.zeros((2, 3), np.float32)):
+                    with pytest.raises(ValueError, match="the plan needs") as info:
+                        r.reset_operand(bad)
+                    assert isinstance(info.value, errors.UnsupportedOperandError)
+        steps = [m for m in caplog.messages if m.startswith(r._name)]
+        assert [m.split(": ", 1)[1].split(" in ")[0] for m in steps] == [
+            "global shape (2, 3), numpy float64 operand, Box((0, 0), (2, 3)) -> Box((0, 0), (2, 3)), order C, on "
+            "the mpi engine: created", "planning", "planned", "execute() starts (blocking, "
+            "sync_symmetric_memory=True)", "execute() ended", "resources released"], steps
+        assert all(rec.levelno == logging.INFO for rec in caplog.records if rec.name == "dask_pgas.reshape")
+    finally:
+        dask_pgas.finalize()
 
 
 def test_results_are_recycled_only_when_dropped():

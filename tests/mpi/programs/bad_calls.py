@@ -325,9 +325,9 @@ def operand_changed_in_place_on_one_rank(change):
 
 
 case("execute after the operand's shape changed in place on one rank",
-     lambda: operand_changed_in_place_on_one_rank("shape"), "UnsupportedOperandError")
+     lambda: operand_changed_in_place_on_one_rank("shape"), "OperandMismatchError")
 case("execute after the operand's dtype changed in place on one rank",
-     lambda: operand_changed_in_place_on_one_rank("dtype"), "UnsupportedOperandError")
+     lambda: operand_changed_in_place_on_one_rank("dtype"), "OperandMismatchError")
 
 
 def reset_to_freed_on_one_rank():
