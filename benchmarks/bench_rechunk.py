@@ -184,7 +184,7 @@ def _s3_size(text: str) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--alltoallw", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--n", type=int, default=8192, help="S1 size (N x N float64)")

@@ -12,6 +12,8 @@ import dask_pgas
 from dask_pgas.distribution import Box
 
 communicator = MPI.COMM_WORLD
+if communicator.Get_size() != 2:  # (not in nvmath's example: its boxes are for two processes)
+    raise SystemExit(f"this example runs on 2 processes: mpiexec -n 2 python {__file__}")
 dask_pgas.initialize(None, communicator, backends=["mpi"])
 
 # The global dimensions of the matrix are 4x4. The matrix is distributed

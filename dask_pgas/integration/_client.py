@@ -44,7 +44,9 @@ class World:
             extra = ""
             i = self.info.get(w)
             if isinstance(i, dict):
-                extra = f"  heap={i.get('heap', {}).get('bytes', 0)}B runs={i.get('runs', 0)}"
+                extra = (f"  heap={i.get('heap', {}).get('bytes', 0)}B runs={i.get('runs', 0)} "
+                         f"collective={i.get('collective_seconds', 0.0):.3f}s "
+                         f"idle-output-blocks={i.get('output_pool_idle', 0)}B scratch={i.get('scratch_bytes', 0)}B")
             lines.append(f"  PE {pe}: {w}{extra}")
         return "\n".join(lines)
 

@@ -212,7 +212,8 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                     "status": "error",
                     "message": f"workers {nannies} run under a Nanny inside an MPI job (dask-mpi's default): the "
                     "Nanny's worker process is not an MPI rank, and starting MPI there would abort it. Start the "
-                    "workers with dask-mpi --worker-class distributed.Worker, or dask_mpi.initialize(nanny=False)",
+                    "workers with dask-mpi --worker-class distributed.Worker, or dask_mpi.initialize() (its default "
+                    "worker_class, not distributed.Nanny)",
                 }
             # ranks of two MPI jobs can be distinct too, and a group over them would wait for ever: one job has one size
             sizes = sorted({i["mpi_size"] for i in infos.values()} - {None})

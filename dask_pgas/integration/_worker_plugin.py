@@ -115,13 +115,24 @@ class _OutputPool:
 
     A fresh ``np.empty`` per run costs a page fault per page inside the collective (about half the time of
     the transfer itself on a 2-core box); a block goes back to the pool when the last view of it dies. Idle
-    blocks are capped by config ``pgas.output-pool`` (0 disables the pool).
+    blocks are capped by config ``pgas.output-pool`` (0 disables the pool) and by a tenth of the worker's
+    memory limit (Dask cannot spill them), and the plugin empties the pool when the worker's memory runs high.
     """
 
-    def __init__(self) -> None:
+    #: share of the worker's memory limit that idle blocks may take at most
+    SHARE = 0.1
+
+    def __init__(self, memory_limit: int | None = None) -> None:
         self._lock = threading.Lock()
         self._free: dict[int, list] = {}
         self.idle = 0
+        self.memory_limit = memory_limit
+
+    def limit(self) -> int:
+        limit = dask.utils.parse_bytes(dask.config.get("pgas.output-pool", "1GiB"))
+        if self.memory_limit:
+            limit = min(limit, int(self.memory_limit * self.SHARE))
+        return limit
 
     def empty(self, shape, dtype):
         import math
@@ -130,7 +141,7 @@ class _OutputPool:
 
         dtype = np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
-        limit = dask.utils.parse_bytes(dask.config.get("pgas.output-pool", "1GiB"))
+        limit = self.limit()
         if nbytes < 2**20 or nbytes > limit or dtype.hasobject:
             return np.empty(shape, dtype)
         with self._lock:
@@ -153,10 +164,12 @@ class _OutputPool:
                 self._free.setdefault(raw.nbytes, []).append(raw)
                 self.idle += raw.nbytes
 
-    def clear(self) -> None:
+    def clear(self) -> int:
+        """Drop the idle blocks; returns their bytes."""
         with self._lock:
+            freed, self.idle = self.idle, 0
             self._free.clear()
-            self.idle = 0
+        return freed
 
 
 def _mpi_identity() -> tuple[int | None, int | None]:
@@ -215,7 +228,16 @@ class PGASWorkerPlugin(WorkerPlugin):
         self._buffers: dict[str, Any] = {}
         self._scratch_buf = None
         self._plans: OrderedDict = OrderedDict()
-        self._pool = _OutputPool()
+        memory = getattr(worker, "memory_manager", None)
+        self._pool = _OutputPool(getattr(memory, "memory_limit", None))
+        loop = getattr(worker, "periodic_callbacks", None)
+        if loop is not None:  # (not on the stand-in workers of unit tests)
+            from tornado.ioloop import PeriodicCallback
+
+            if (old := loop.pop("pgas-trim", None)) is not None:
+                old.stop()
+            loop["pgas-trim"] = PeriodicCallback(self._trim, 200)
+            loop["pgas-trim"].start()
         self.runs = 0
         self.collective_seconds = 0.0
         worker.handlers.update(
@@ -232,6 +254,9 @@ class PGASWorkerPlugin(WorkerPlugin):
     def teardown(self, worker) -> None:
         # Not collective (workers close one at a time): memory goes with the process.
         # dask_pgas.teardown(client) frees everything collectively beforehand.
+        trim = getattr(worker, "periodic_callbacks", {}).pop("pgas-trim", None)
+        if trim is not None:
+            trim.stop()
         self._thread.stop()
 
     def transition(self, key, start: str, finish: str, **kwargs) -> None:
@@ -361,6 +386,7 @@ class PGASWorkerPlugin(WorkerPlugin):
             "heap": heap,
             "plans": len(self._plans),
             "output_pool_idle": self._pool.idle,
+            "scratch_bytes": 0 if self._scratch_buf is None else int(self._scratch_buf.nbytes),
             **_gpu_identity(),
             "runs": self.runs,
             "last_timings": getattr(self, "last_timings", None),
@@ -527,6 +553,29 @@ class PGASWorkerPlugin(WorkerPlugin):
             free_symmetric_memory(current)
         self._buffers[kind] = buf = allocate_symmetric_memory((size,), package, dtype="uint8")
         return buf
+
+    def _trim(self) -> int:
+        """When the worker is paused, or its process memory is past Dask's spill threshold, give back the memory
+        Dask cannot spill: the output pool's idle blocks and the packing scratch. (Otherwise a worker paused by
+        idle pooled blocks would never run the output tasks pinned to it.) Returns the bytes dropped."""
+        from distributed.core import Status
+
+        worker = self.worker
+        memory = getattr(worker, "memory_manager", None)
+        limit = getattr(memory, "memory_limit", None)
+        high = worker.status == Status.paused
+        if not high and limit:
+            spill = getattr(memory, "memory_spill_fraction", None) or getattr(memory, "memory_pause_fraction", None)
+            if spill:
+                high = worker.monitor.get_process_memory() > spill * limit
+        if not high:
+            return 0
+        dropped = self._pool.clear()
+        scratch, self._scratch_buf = self._scratch_buf, None  # (a run using it keeps its own reference)
+        dropped += scratch.nbytes if scratch is not None else 0
+        if dropped:
+            logger.info("dask_pgas: worker memory is high; released %d idle bytes of rechunk buffers", dropped)
+        return dropped
 
     def _scratch(self, nbytes: int):
         """Local (not symmetric) packing memory for engines whose operands need not be on the heap."""

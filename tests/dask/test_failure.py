@@ -547,3 +547,22 @@ def test_teardown_and_world_say_what_is_wrong(tmp_path, capsys):
         assert err.startswith("dask-pgas world: ") and "are threads of one process" in err
         assert time.monotonic() - t0 < 30
         assert "Traceback" not in err
+
+
+@pytest.mark.skipif(bool(GPU_WORKERS), reason="the output pool holds host (NumPy) output boxes")
+def test_idle_output_blocks_stay_within_the_memory_limit():
+    """Rechunks of one array to many chunkings left output blocks of every size idle in the pool, which Dask
+    cannot spill: with memory_limit="400MiB" one worker paused at the 10th rechunk and its output tasks never
+    ran (the rechunk hung). Idle blocks now take at most a tenth of the limit."""
+    from distributed import Client
+
+    def pool_idle(dask_worker):
+        return dask_worker.plugins["dask-pgas"]._pool.idle
+
+    with dask_pgas.LocalMPICluster(n_workers=3, memory_limit="400MiB") as cluster, Client(cluster) as client:
+        x = da.random.random((4096, 2048), chunks=(4096, 512)).persist()  # 64 MiB
+        total = x.sum().compute()
+        for rows in [256, 300, 333, 400, 500, 600, 700, 800, 900, 1000, 1100, 1200, 1300, 1500]:
+            future = client.compute(dask_pgas.rechunk(x, (rows, 2048)).sum())
+            assert np.isclose(future.result(timeout=30), total), rows
+            assert max(client.run(pool_idle).values()) <= 40 * 2**20, rows

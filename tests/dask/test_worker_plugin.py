@@ -169,3 +169,33 @@ def test_resumed_transfer_keeps_its_input(plugin):
     plugin.transition(key, "cancelled", "waiting")
     plugin.transition(("pgas-transfer-a", 0), "memory", "released")  # the normal end of a transfer task
     assert "pgas-rechunk-a" in plugin._staged
+
+
+def test_memory_pressure_gives_back_what_dask_cannot_spill(monkeypatch):
+    """Idle output blocks are capped at a tenth of the worker's memory limit, and dropped (with the packing
+    scratch) when the worker is paused or past Dask's spill threshold."""
+    import numpy as np
+    from distributed.core import Status
+
+    process = {"rss": 0}
+    memory = SimpleNamespace(memory_limit=100 * 2**20, memory_spill_fraction=0.7, memory_pause_fraction=0.8)
+    worker = SimpleNamespace(handlers={}, stream_handlers={}, name="w0", address="tcp://w0", status=Status.running,
+                             memory_manager=memory, monitor=SimpleNamespace(get_process_memory=lambda: process["rss"]))
+    p = PGASWorkerPlugin()
+    p.setup(worker)
+    try:
+        assert p._pool.limit() == 10 * 2**20
+        blocks = [p._pool.empty((2**20,), np.uint8) for _ in range(12)]  # 12 MiB
+        del blocks
+        assert p._pool.idle == 10 * 2**20  # the last two found the pool full
+        p._scratch(5 * 2**20)
+        assert p._trim() == 0 and p._pool.idle == 10 * 2**20  # nothing to give back yet
+        process["rss"] = 75 * 2**20  # past the spill threshold
+        assert p._trim() == 15 * 2**20 and p._pool.idle == 0 and p._scratch_buf is None
+        process["rss"] = 0
+        blocks = [p._pool.empty((2**20,), np.uint8)]
+        del blocks
+        worker.status = Status.paused
+        assert p._trim() == 2**20 and p._pool.idle == 0
+    finally:
+        p.teardown(worker)
