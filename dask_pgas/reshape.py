@@ -612,7 +612,13 @@ def reshape(
 
     A convenience wrapper of :class:`Reshape`; returns this rank's output box as a new array.
     """
-    with Reshape(operand, input_box, output_box, options=options, stream=stream) as r:
+    return _once(Reshape, operand, input_box, output_box, sync_symmetric_memory, options, stream)
+
+
+def _once(cls: type[Reshape], operand: Any, input_box: Any, output_box: Any, sync_symmetric_memory: bool,
+          options: Any, stream: Any) -> Any:
+    """The function forms: plan, execute once and free."""
+    with cls(operand, input_box, output_box, options=options, stream=stream) as r:
         r.plan(stream=stream)
         return r.execute(stream=stream, sync_symmetric_memory=sync_symmetric_memory)
 
@@ -649,6 +655,4 @@ def redistribute(
     stream: Any = None,
 ) -> Any:
     """nvmath 1.0's name for :func:`reshape` (``nvmath.distributed.distribution.redistribute``)."""
-    with Redistribute(operand, input_distribution, output_distribution, options=options, stream=stream) as r:
-        r.plan(stream=stream)
-        return r.execute(stream=stream, sync_symmetric_memory=sync_symmetric_memory)
+    return _once(Redistribute, operand, input_distribution, output_distribution, sync_symmetric_memory, options, stream)
