@@ -223,6 +223,9 @@ class PGASWorkerPlugin(WorkerPlugin):
         # runs Dask released (a cancel) before they ended here: they still run, in order, but keep no result
         # and take no input staged since (that belongs to the next attempt of the same rechunk)
         self._dropped: set[int] = set()
+        # rechunk name -> its latest run here (a rechunk Dask computes again gets a new run before the old one's
+        # barrier is forgotten)
+        self._run_of: dict[str, int] = {}
         self._next_seq = 0
         self._current: tuple[int, float] | None = None  # (seq, monotonic start) of the run on the thread
         self._buffers: dict[str, Any] = {}
@@ -409,6 +412,15 @@ class PGASWorkerPlugin(WorkerPlugin):
                     "message": f"{self.worker.address} is in world #{self.epoch}, not #{epoch}"}
         if self.broken:  # a start that the world's failure overtook (it travels on another connection)
             return {"status": "error", "fatal": True, "message": f"PE {self.pe} ({self.worker.address}): {self.broken}"}
+        with self._lock:
+            # A rechunk whose keys Dask released while its barrier task was running, then computed again (a cancel
+            # and a resubmission of the same keys), gets a new run before the scheduler forgets the old one, and
+            # the forget then names only the new run: the old run's output box would stay here for good. No
+            # output task can take it any more (the barrier answers with the newest run), so it goes now.
+            previous = self._run_of.get(name)
+            if previous is not None and previous != seq:
+                self._done.pop(previous, None)
+            self._run_of[name] = seq
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._pending[seq] = (name, fut)
         while self._next_seq in self._pending:  # submit in the global order, whatever the arrival order
@@ -448,6 +460,8 @@ class PGASWorkerPlugin(WorkerPlugin):
         nothing, and output tasks still waiting for it wake with an error."""
         with self._lock:  # (one lock with _signal: a run ends here either before this or after it)
             self._staged.pop(name, None)
+            if run is not None and self._run_of.get(name) == run:
+                del self._run_of[name]
             if run is not None and epoch == self.epoch:  # run numbers restart with every world
                 released = self._done.pop(run, None)  # the output box goes with its last chunk
                 if run >= self._next_seq or (released is not None and not released.done()):
@@ -473,6 +487,7 @@ class PGASWorkerPlugin(WorkerPlugin):
         with self._lock:
             waiting, self._done = list(self._done.values()), {}
             self._dropped.clear()
+            self._run_of.clear()
         for fut in waiting:
             if not fut.done():
                 fut.set_exception(exc)
@@ -533,6 +548,7 @@ class PGASWorkerPlugin(WorkerPlugin):
             self._staged.clear()
             self._done.clear()
             self._dropped.clear()
+            self._run_of.clear()
         self._pool.clear()
         self._scratch_buf = None
         runtime.finalize()

@@ -289,7 +289,7 @@ def _bookkeeping(client) -> dict:
 
     def worker_side(dask_worker):
         plugin = dask_worker.plugins["dask-pgas"]
-        return {name: len(getattr(plugin, name)) for name in ("_done", "_dropped", "_staged", "_pending")}
+        return {name: len(getattr(plugin, name)) for name in ("_done", "_dropped", "_staged", "_pending", "_run_of")}
 
     held = {"scheduler": client.run_on_scheduler(scheduler_side), **client.run(worker_side)}
     return {where: {k: n for k, n in counts.items() if n} for where, counts in held.items()}

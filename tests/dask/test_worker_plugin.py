@@ -199,3 +199,26 @@ def test_memory_pressure_gives_back_what_dask_cannot_spill(monkeypatch):
         assert p._trim() == 2**20 and p._pool.idle == 0
     finally:
         p.teardown(worker)
+
+
+def test_a_rechunk_computed_again_drops_its_old_output(plugin, monkeypatch):
+    """Keys released while the barrier task ran, then computed again, start a second run of the same rechunk
+    before the scheduler forgets the first, and its forget names only the second: the first run's output box
+    stayed in _done for good (seen once in a cancel storm). It goes when the new run starts."""
+    import asyncio
+
+    def run(name, seq):  # the collective, as far as the bookkeeping sees it
+        plugin._signal(seq, result=f"box of run {seq}")
+        return {"pe": 0, "seconds": 0.0}
+
+    monkeypatch.setattr(plugin, "_run_and_signal", run)
+
+    async def main():
+        assert (await plugin._h_start("pgas-rechunk-a", 0, 1))["status"] == "OK"
+        assert plugin._done[0].result() == "box of run 0"
+        assert (await plugin._h_start("pgas-rechunk-a", 1, 1))["status"] == "OK"
+
+    asyncio.run(main())
+    assert list(plugin._done) == [1]
+    plugin._h_forget("pgas-rechunk-a", run=1, epoch=1)
+    assert not plugin._done and not plugin._run_of and not plugin._dropped
