@@ -220,13 +220,14 @@ class Reshape:
         # the registered allocation holding the operand, if any: checked at each execute (its address alone could
         # belong to a newer allocation once it is freed)
         self._tracked = _allocation_of(operand)
-        domain = bounding_box(self._spec.input_boxes)
-        self.logger.info(
-            "%s (rank %d of %d): global shape %s, %s %s operand%s, %s -> %s, order %s, on the %s engine: created",
-            self._name, control.rank, self._spec.nranks, domain.box_shape if domain else "(empty)",
-            self._package, self._spec.dtype, " (symmetric memory)" if self._symmetric else "",
-            self._spec.input_box, self._spec.output_box, self._spec.order, engine.name,
-        )
+        if self.logger.isEnabledFor(logging.INFO):  # (the global shape is worked out only for the log)
+            domain = bounding_box(self._spec.input_boxes)
+            self.logger.info(
+                "%s (rank %d of %d): global shape %s, %s %s operand%s, %s -> %s, order %s, on the %s engine: created",
+                self._name, control.rank, self._spec.nranks, domain.box_shape if domain else "(empty)",
+                self._package, self._spec.dtype, " (symmetric memory)" if self._symmetric else "",
+                self._spec.input_box, self._spec.output_box, self._spec.order, engine.name,
+            )
 
     # -- collective validation ------------------------------------------------------------------------------
     @staticmethod

@@ -416,10 +416,12 @@ class PGASWorkerPlugin(WorkerPlugin):
             # A rechunk whose keys Dask released while its barrier task was running, then computed again (a cancel
             # and a resubmission of the same keys), gets a new run before the scheduler forgets the old one, and
             # the forget then names only the new run: the old run's output box would stay here for good. No
-            # output task can take it any more (the barrier answers with the newest run), so it goes now.
+            # output task can take it any more (the barrier answers with the newest run), so it goes now. (One
+            # that has not ended here is left to the forget on its way: that wakes its waiters with an error.)
             previous = self._run_of.get(name)
-            if previous is not None and previous != seq:
-                self._done.pop(previous, None)
+            if previous is not None and previous != seq and (left := self._done.get(previous)) is not None \
+                    and left.done():
+                del self._done[previous]
             self._run_of[name] = seq
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._pending[seq] = (name, fut)
@@ -579,11 +581,10 @@ class PGASWorkerPlugin(WorkerPlugin):
         worker = self.worker
         memory = getattr(worker, "memory_manager", None)
         limit = getattr(memory, "memory_limit", None)
-        high = worker.status == Status.paused
-        if not high and limit:
-            spill = getattr(memory, "memory_spill_fraction", None) or getattr(memory, "memory_pause_fraction", None)
-            if spill:
-                high = worker.monitor.get_process_memory() > spill * limit
+        high = worker.status == Status.paused  # (Dask's own check against the pause threshold)
+        spill = getattr(memory, "memory_spill_fraction", None)
+        if not high and limit and spill:
+            high = worker.monitor.get_process_memory() > spill * limit
         if not high:
             return 0
         dropped = self._pool.clear()
