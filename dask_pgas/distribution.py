@@ -22,8 +22,8 @@ _REDISTRIBUTE = ("Redistribute", "RedistributeOptions", "redistribute")
 def _coords(values: Iterable[int], name: str) -> tuple[int, ...]:
     try:
         out = tuple(operator.index(v) for v in values)
-    except TypeError as exc:
-        raise TypeError(f"Box {name} must be a sequence of integers, got {values!r}") from exc
+    except TypeError as exc:  # a ValueError, as nvmath raises for coordinates that are not integers
+        raise ValueError(f"Box {name} must be a sequence of integers, got {values!r}") from exc
     return out
 
 
@@ -100,11 +100,12 @@ class Box:
         return self.box_shape
 
     def to(self, cls: type, /, *, ndim: int | None = None, copy: bool = False) -> Box:
-        """This distribution as one of type ``cls`` (as nvmath's ``Distribution.to``); a Box only converts to a Box."""
+        """This distribution as one of type ``cls`` (as nvmath's ``Distribution.to``); a Box only converts to a
+        Box (``ValueError`` for anything that is not a distribution class, as in nvmath)."""
+        if not (isinstance(cls, type) and issubclass(cls, Box)):
+            raise ValueError(f"{cls!r} is not a valid distribution: a Box converts only to a Box")
         if ndim is not None and ndim != self.ndim:
             raise ValueError(f"ndim argument ({ndim}) doesn't match this distribution's dimensionality ({self.ndim})")
-        if not (isinstance(cls, type) and issubclass(cls, Box)):
-            raise NotImplementedError(f"a Box converts only to a Box, not to {cls!r}")
         return self.copy() if copy else self
 
     @property
@@ -157,6 +158,9 @@ class Box:
 
     def __repr__(self) -> str:
         return f"Box({self._lower}, {self._upper})"
+
+    def __str__(self) -> str:
+        return f"Box(lower={self._lower}, upper={self._upper})"  # nvmath's form
 
     def __reduce__(self):
         return (Box, (self._lower, self._upper))

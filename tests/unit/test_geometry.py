@@ -49,13 +49,15 @@ def test_box_shape_and_to_like_nvmath():
     assert c == b and c is not b
     with pytest.raises(ValueError, match="ndim"):
         b.to(Box, ndim=3)
-    with pytest.raises(NotImplementedError):
-        b.to(tuple)
+    for other in (tuple, "Box", None):  # not a distribution class: ValueError, as nvmath's _to_checks
+        with pytest.raises(ValueError, match="not a valid distribution"):
+            b.to(other)
+    assert str(b) == "Box(lower=(0, 2), upper=(4, 6))" and repr(b) == "Box((0, 2), (4, 6))"
 
 
 @pytest.mark.parametrize(
     ("lower", "upper", "error"),
-    [((0,), (1, 2), ValueError), ((2,), (1,), ValueError), ((), (), ValueError), ((0.5,), (1,), TypeError)],
+    [((0,), (1, 2), ValueError), ((2,), (1,), ValueError), ((), (), ValueError), ((0.5,), (1,), ValueError), (3, 4, ValueError)],
 )
 def test_box_rejects(lower, upper, error):
     with pytest.raises(error):
