@@ -10,11 +10,12 @@ The PGAS core mirrors ``nvmath.distributed``::
     dask_pgas.finalize()
 """
 
-from . import distribution, errors, reshape
+from . import distribution, errors, process_group, reshape
 from ._version import __version__
 from .distribution import Box
 from .engines.nvshmem import get_nvshmem_uniqueid, initialize_from_uniqueid
 from .memory import allocate_symmetric_memory, free_symmetric_memory, heap_usage
+from .process_group import MPIProcessGroup
 from .reshape import Redistribute, RedistributeOptions, Reshape, ReshapeOptions
 from .runtime import (
     DistributedContext,
@@ -29,6 +30,7 @@ from .runtime import (
 __all__ = [
     "Box",
     "DistributedContext",
+    "MPIProcessGroup",
     "Redistribute",
     "RedistributeOptions",
     "Reshape",
@@ -47,6 +49,7 @@ __all__ = [
     "initialize_from_uniqueid",
     "initialized_backends",
     "is_initialized",
+    "process_group",
     "reshape",
 ]
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from .engines.base import ControlPlane, Engine
 from .errors import BackendUnavailableError, NotInitializedError, RuntimeStateError, SymmetricMemoryError
+from .process_group import MPIProcessGroup, ProcessGroup, communicator_of
 
 __all__ = [
     "BACKENDS",
@@ -57,6 +58,9 @@ class DistributedContext:
         backends: the initialized backends, e.g. ``("mpi",)``.
         rank, nranks: this process's rank and the number of ranks in the PGAS world.
         nvshmem_available: whether the ``"nvshmem"`` backend is initialized (symmetric GPU memory).
+        process_group: ``communicator`` as an :class:`~dask_pgas.process_group.MPIProcessGroup` (nvmath 0.9 and
+            1.0 name the participating processes so); None when ``communicator`` is.
+        nccl_comm: always None (as nvmath's without its ``"nccl"`` backend, which dask_pgas does not have).
     """
 
     device_id: int | None
@@ -65,6 +69,8 @@ class DistributedContext:
     rank: int
     nranks: int
     nvshmem_available: bool
+    process_group: ProcessGroup | None = None
+    nccl_comm: None = None
 
 
 def _engine_class(name: str) -> type[Engine]:
@@ -157,7 +163,9 @@ def initialize(
     Args:
         device_id: CUDA device for the ``"nvshmem"`` backend (default: the local rank on the node, modulo the
             number of visible devices). Ignored by ``"mpi"``.
-        communicator: an mpi4py communicator (default ``MPI.COMM_WORLD``); the runtime works on a duplicate.
+        communicator: an mpi4py communicator (default ``MPI.COMM_WORLD``), or an
+            :class:`~dask_pgas.process_group.MPIProcessGroup` of one (as nvmath 0.9 and 1.0 take); the runtime
+            works on a duplicate.
         backends: backends to start, from ``"mpi"`` and ``"nvshmem"``. Default: ``["nvshmem"]`` when a GPU and
             the NVSHMEM/cuFFTMp libraries are present on every rank, else ``["mpi"]``.
 
@@ -169,11 +177,12 @@ def initialize(
         RuntimeStateError: already initialized on some rank (call :func:`finalize` first).
         BackendUnavailableError: an unknown or empty ``backends``, different backends on different ranks, or a
             backend that cannot run here (on any rank); says which rank and what is missing.
-        TypeError: ``backends`` is not a sequence of names (on any rank).
+        TypeError: ``backends`` is not a sequence of names (on any rank); ``communicator`` is a process group
+            other than an MPI one (local: without a communicator there is nothing to agree over).
     """
     global _owner_pid, _communicator
     with _lock:
-        comm = communicator if communicator is not None else _default_communicator()
+        comm = communicator_of(communicator) if communicator is not None else _default_communicator()
         if is_initialized() and _same_ranks(comm, _communicator):
             # initializing the running world again: ranks making another call there meet this one and all raise
             # (with another communicator, e.g. a part of the world, only its ranks are here: the exchange below)
@@ -274,6 +283,7 @@ def get_context() -> DistributedContext | None:
             rank=first.rank,
             nranks=first.nranks,
             nvshmem_available=nvshmem is not None,
+            process_group=MPIProcessGroup(_communicator) if _communicator is not None else None,
         )
 
 

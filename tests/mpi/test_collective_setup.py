@@ -21,6 +21,8 @@ REQUIRED = {
     "invalid package object on one rank": "SymmetricMemoryError",  # D3
     "make_symmetric on one rank only": "SymmetricMemoryError",  # D4
     "get_context before, during and after initialize": "none",  # P5
+    "initialize with nvmath's MPIProcessGroup": "none",
+    "initialize with a process group that is not MPI's": "TypeError",
     "initialize again on one rank, reshape on the others": "CollectiveMismatchError",
     "initialize again on part of the world": "none",
     "skip_symmetric_check with different sizes pads": "none",  # P7

@@ -137,6 +137,57 @@ def context():
 
 case("get_context before, during and after initialize", context)
 
+
+def nvmath_process_group():
+    """nvmath 0.9 / 1.0 style: initialize with an MPIProcessGroup; the context names it, with its collectives."""
+    from dask_pgas.process_group import ReductionOp
+
+    dask_pgas.initialize(None, dask_pgas.MPIProcessGroup(COMM), backends=["mpi"])
+    try:
+        ctx = runtime.get_context()
+        group = ctx.process_group
+        assert ctx.communicator is COMM and group.communicator is COMM and ctx.nccl_comm is None, ctx
+        assert (group.rank, group.nranks) == (RANK, SIZE), group
+        buf = np.array([RANK + 1, -RANK], dtype=np.int64)
+        group.allreduce_buffer(buf, op=ReductionOp.SUM)
+        assert list(buf) == [SIZE * (SIZE + 1) // 2, -SIZE * (SIZE - 1) // 2], buf
+        for op, want in ((ReductionOp.MIN, 0), (ReductionOp.MAX, SIZE - 1)):
+            buf = np.array([RANK], dtype=np.float64)
+            group.allreduce_buffer(buf, op=op)
+            assert buf[0] == want, (op, buf)
+        buf = np.full(3, RANK, dtype=np.int32)
+        group.broadcast_buffer(buf, root=LAST)
+        assert (buf == LAST).all(), buf
+        assert group.allreduce_object({RANK}, op=lambda a, b: a | b) == set(range(SIZE))
+        out = dask_pgas.reshape.reshape(np.full((1, 2), RANK), Box((RANK, 0), (RANK + 1, 2)),
+                                        Box((0, 2 * RANK // SIZE), (SIZE, 2 * (RANK + 1) // SIZE)))
+        assert out.shape == (SIZE, 2 * (RANK + 1) // SIZE - 2 * RANK // SIZE), out.shape
+    finally:
+        dask_pgas.finalize()
+    assert runtime.get_context() is None
+
+
+case("initialize with nvmath's MPIProcessGroup", nvmath_process_group)
+
+
+class TorchLikeGroup(dask_pgas.process_group.ProcessGroup):
+    rank = property(lambda self: RANK)
+    nranks = property(lambda self: SIZE)
+
+    def broadcast_buffer(self, array, *, root=0):
+        raise NotImplementedError
+
+    def allreduce_buffer(self, array, *, op):
+        raise NotImplementedError
+
+    def allreduce_object(self, obj, *, op):
+        raise NotImplementedError
+
+
+# refused on every rank alike (each rank passes the same kind of group; a local check, nothing to agree over)
+case("initialize with a process group that is not MPI's",
+     lambda: dask_pgas.initialize(None, TorchLikeGroup(), backends=["mpi"]), "TypeError")
+
 # -- allocate_symmetric_memory -------------------------------------------------------------------------------------
 dask_pgas.initialize(None, COMM, backends=["mpi"])
 ENGINE = runtime.get_engine("mpi")
