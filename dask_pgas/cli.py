@@ -166,6 +166,22 @@ def demo(args: argparse.Namespace) -> int:
         not isinstance(results["pgas"], Exception) else 1
 
 
+def _not_a_scheduler_file(path: str) -> str | None:
+    """Why ``path`` cannot be a scheduler file (JSON with the scheduler's ``address``), or None."""
+    import json
+
+    if not os.path.isfile(path):
+        return "it is a directory" if os.path.isdir(path) else "it is not a regular file"
+    try:
+        with open(path) as f:
+            address = json.load(f).get("address")
+    except (OSError, ValueError, AttributeError) as exc:
+        return f"no JSON object in it ({type(exc).__name__}: {exc}); is the scheduler still writing it?"
+    if not isinstance(address, str) or not address:
+        return "it holds no scheduler address"
+    return None
+
+
 def show_world(args: argparse.Namespace) -> int:
     from distributed import Client
 
@@ -248,10 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--timeout", type=_seconds, default=30.0, help="seconds to wait for the scheduler (default 30)")
     w.set_defaults(func=show_world)
     args = parser.parse_args(argv)
-    if args.command == "world" and not os.path.exists(args.scheduler_file):
-        # distributed would wait for the file for ever; dask-mpi removes it when its cluster shuts down
-        w.error(f"no scheduler file {args.scheduler_file}: start the cluster first (dask-mpi "
-                "--scheduler-file ...), or check the path")
+    if args.command == "world":
+        if not os.path.exists(args.scheduler_file):
+            # distributed would wait for the file for ever; dask-mpi removes it when its cluster shuts down
+            w.error(f"no scheduler file {args.scheduler_file}: start the cluster first (dask-mpi "
+                    "--scheduler-file ...), or check the path")
+        if (why := _not_a_scheduler_file(args.scheduler_file)) is not None:
+            w.error(f"{args.scheduler_file} is not a scheduler file: {why}")
     logging.getLogger("asyncio").addFilter(_INTERRUPTED_GATHER_NOISE)
     try:
         return args.func(args)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import PGASWorldError
+from ._config import duration, setting
 from ._scheduler_plugin import PGASSchedulerPlugin
 from ._worker_plugin import PGASWorkerPlugin
 
@@ -31,10 +32,16 @@ class World:
         return len(self.workers)
 
     def pe_of(self, address: str) -> int:
-        return self.workers.index(address)
+        """The PE of the worker at ``address`` (``ValueError`` when it is not a member of this world)."""
+        try:
+            return self.workers.index(address)
+        except ValueError:
+            raise ValueError(f"{address!r} is not a member of PGAS world #{self.epoch} "
+                             f"(its workers: {list(self.workers)})") from None
 
     def heap_bytes(self) -> dict[str, int]:
-        """Symmetric bytes held by each member (from ``world(client, detail=True)``)."""
+        """Symmetric bytes held by each member, by address (from ``world(client, detail=True)``; empty
+        without ``detail``)."""
         return {w: i.get("heap", {}).get("bytes", 0) for w, i in self.info.items() if isinstance(i, dict)}
 
     def __str__(self) -> str:
@@ -72,15 +79,15 @@ def bootstrap(client=None, *, backends=None, timeout=None) -> World:
     an intact world exists already, orders the workers by MPI rank and initializes the runtime on each (on its
     collective thread): a workers-only MPI communicator, or an NVSHMEM unique id handed out by the scheduler
     when the workers are not one MPI job. ``backends`` and ``timeout`` default to config ``pgas.backends`` and
-    ``pgas.bootstrap-timeout`` of this process, else of the scheduler. Returns the :class:`World`.
-    """
-    import dask
+    ``pgas.bootstrap-timeout`` of this process. Returns the :class:`World`.
 
+    Raises:
+        ValueError: ``timeout`` (or config ``pgas.bootstrap-timeout``) is not a positive duration.
+    """
+    if backends is None:  # this process's config (a key set with dask.config.set here)
+        backends = setting("backends")
+    timeout = setting("bootstrap-timeout") if timeout is None else duration(timeout, "bootstrap(timeout=...)")
     client = _client(client)
-    if backends is None:  # this process's config first (a key set with dask.config.set here), else the scheduler's
-        backends = dask.config.get("pgas.backends", None)
-    if timeout is None:
-        timeout = dask.config.get("pgas.bootstrap-timeout", None)
     client.register_plugin(PGASSchedulerPlugin())
     client.register_plugin(PGASWorkerPlugin())
     result = client.sync(client.scheduler.pgas_bootstrap, backends=backends, timeout=timeout)

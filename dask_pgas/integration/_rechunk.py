@@ -42,6 +42,7 @@ import numpy as np
 
 from ..errors import PGASRechunkUnsupported
 from ._client import scheduler_world
+from ._config import check_all, setting
 from ._worker_plugin import RunSpec
 
 __all__ = ["array_expr_mode", "install", "installed", "rechunk", "uninstall"]
@@ -65,12 +66,10 @@ def _dask_rechunk(x):
 
 
 def _fallback(x, chunks, reason: str, fix: str, threshold, block_size_limit, balance):
-    policy = dask.config.get("pgas.fallback", "raise")
+    policy = setting("fallback")
     if policy in ("tasks", "p2p"):
         return _dask_rechunk(x)(x, chunks, threshold=threshold, block_size_limit=block_size_limit,
                                 balance=balance, method=policy)
-    if policy != "raise":
-        raise ValueError(f"config pgas.fallback must be 'raise', 'tasks' or 'p2p', not {policy!r}")
     raise PGASRechunkUnsupported(" ".join(part for part in (
         f"method='pgas' cannot rechunk this array: {reason}.", fix,
         "Or set dask.config.set({'pgas.fallback': 'tasks'}) (or 'p2p') to use Dask's own rechunk in such cases.",
@@ -158,6 +157,7 @@ def rechunk(
     args = (threshold, block_size_limit, balance)
     if method not in (None, "pgas"):  # same signature as Array.rechunk: other methods are Dask's
         return _dask_rechunk(x)(x, chunks, *args, method=method)
+    check_all()  # a bad pgas.* value fails here, naming its key, not inside a worker's run
     if not isinstance(x, Array):
         if array_expr_mode():
             return _fallback(x, chunks, "dask.array runs in array-expression mode (array.query-planning)",
@@ -204,7 +204,9 @@ def rechunk(
                              "dask_pgas.bootstrap(client)).", *args)
     world = _world(client, x)
     if not world or not world["workers"]:
-        return _fallback(x, chunks, "the cluster has no PGAS world", "Call dask_pgas.bootstrap(client).", *args)
+        return _fallback(x, chunks, "the cluster has no PGAS world",
+                         "Call dask_pgas.bootstrap(client); when it refuses, its message says why this cluster "
+                         "cannot have one (its workers must be the ranks of one MPI job, or GPU workers).", *args)
     if world["broken"]:
         return _fallback(x, chunks, world["broken"], "", *args)  # (it says how to recover)
     if package == "cupy" and "nvshmem" not in world["backends"]:
@@ -217,7 +219,7 @@ def rechunk(
     npes = len(world["workers"])
     plan = plan_chunks(x.chunks, target, npes, world["locations"])
     spec = RunSpec(plan.input_boxes, plan.output_boxes, x.dtype, package, float(_delay))
-    local = plan.is_local and not _delay and bool(dask.config.get("pgas.local-rechunk", True))
+    local = plan.is_local and not _delay and setting("local-rechunk")
     token = tokenize(x, target, "pgas", world["epoch"], npes, spec, local)
     name = f"pgas-rechunk-{token}"
     if local:

@@ -24,6 +24,7 @@ from dask.utils import parse_timedelta
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from ..errors import PGASWorldError
+from ._config import duration, setting
 
 logger = logging.getLogger("dask_pgas.integration")
 
@@ -168,7 +169,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         return dict(zip(workers, results))
 
     async def bootstrap(self, backends: list | None = None, timeout: Any = None) -> dict:
-        timeout = parse_timedelta(timeout or dask.config.get("pgas.bootstrap-timeout", "120s"))
+        timeout = setting("bootstrap-timeout") if timeout is None else duration(timeout, "the bootstrap timeout")
         async with self._lock:
             if self.world and not self.broken and all(w in self.scheduler.workers for w in self.world):
                 return {"status": "OK", **self._describe()}
@@ -186,8 +187,9 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             if poisoned:
                 return {
                     "status": "error",
-                    "message": f"workers {poisoned} hold a collective that never returned (a peer died): their "
-                    "MPI state cannot be reused. Restart the cluster (close it and start a new one).",
+                    "message": f"workers {poisoned} hold a collective that never returned (a peer died, or the "
+                    "watchdog gave up on it after pgas.collective-timeout): their MPI state cannot be reused. "
+                    "Restart the cluster (close it and start a new one).",
                 }
             ranks = {w: i["mpi_rank"] for w, i in infos.items()}
             if backends is None:
@@ -381,7 +383,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         name, seq = run.name, run.seq
         if run.failed.done():  # the world broke (_break fails every run in flight) since numbering: send nothing
             return {"status": "error", "message": self.broken}
-        timeout = parse_timedelta(dask.config.get("pgas.collective-timeout", "120s"))
+        timeout = setting("collective-timeout")
         tasks = {
             asyncio.ensure_future(self.scheduler.rpc(w).pgas_start(name=name, seq=seq, epoch=epoch)): w
             for w in self.world
@@ -446,11 +448,13 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             return
         inside = bool(self._in_flight())
         self.broken = (
-            f"{message}. The PGAS world #{self.epoch} is broken"
-            + (" (MPI collectives cannot be cancelled: workers that were inside one stay blocked there)" if inside
-               else "")
-            + "; the input arrays stay computable with method='tasks'/'p2p'. dask_pgas.bootstrap(client) builds a "
-            "new world from the workers there are now (it says so when one of them must be restarted first)"
+            f"{message}. The PGAS world #{self.epoch} is broken; the input arrays stay computable with "
+            "method='tasks'/'p2p'. "
+            + ("MPI collectives cannot be cancelled: workers that were inside one stay blocked there, and "
+               "dask_pgas.bootstrap(client) refuses them until they are restarted (close the cluster and start a "
+               "new one; a LocalMPICluster whose worker died restarts its workers by itself)" if inside else
+               "dask_pgas.bootstrap(client) builds a new world from the workers there are now (it says so when "
+               "one of them must be restarted first)")
         )
         logger.error("dask_pgas: %s", self.broken)
         for run in self._in_flight():

@@ -22,10 +22,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-import dask
 from distributed import WorkerPlugin
 
 from ..errors import CollectiveError, PGASWorldError, RuntimeStateError, SymmetricMemoryError
+from ._config import setting
 
 #: The GPU of a PE is the one its worker's tasks allocate on: CUDA device 0 of what the worker sees. Launchers that
 #: give each worker a GPU of its own do it with CUDA_VISIBLE_DEVICES (dask-cuda puts the worker's GPU first in a
@@ -129,7 +129,7 @@ class _OutputPool:
         self.memory_limit = memory_limit
 
     def limit(self) -> int:
-        limit = dask.utils.parse_bytes(dask.config.get("pgas.output-pool", "1GiB"))
+        limit = setting("output-pool")
         if self.memory_limit:
             limit = min(limit, int(self.memory_limit * self.SHARE))
         return limit
@@ -320,7 +320,7 @@ class PGASWorkerPlugin(WorkerPlugin):
                 f"the output of {name} is not on {self.worker.address}; it was released or the world was "
                 "re-bootstrapped: compute the rechunk again"
             )
-        timeout = dask.utils.parse_timedelta(dask.config.get("pgas.collective-timeout", "120s")) + 30
+        timeout = setting("collective-timeout") + 30
         result = self._wait(done, run, name, timeout)
         # a view: the box is this run's own array (results never alias the symmetric buffers), so a copy per
         # chunk would only double the memory traffic; the box's memory goes back to the pool with its last chunk
@@ -502,7 +502,8 @@ class PGASWorkerPlugin(WorkerPlugin):
 
         if self.poisoned:
             raise PGASWorldError(
-                f"worker {self.worker.address} has a collective that never returned (a peer died); its MPI "
+                f"worker {self.worker.address} has a collective that never returned (a peer died, or the "
+                "watchdog gave up on it); its MPI "
                 "state cannot be reused: restart the workers (close the cluster and start a new one)"
             )
         if runtime.is_initialized():
@@ -564,7 +565,7 @@ class PGASWorkerPlugin(WorkerPlugin):
         current = self._buffers.get(kind)
         if current is not None and current.nbytes >= nbytes:
             return current
-        growth = float(dask.config.get("pgas.buffer-growth", 1.25))
+        growth = setting("buffer-growth")
         size = max(nbytes, int((current.nbytes if current is not None else 0) * growth), 1)
         if current is not None:
             del self._buffers[kind]
@@ -615,7 +616,7 @@ class PGASWorkerPlugin(WorkerPlugin):
             ReshapeSpec(spec.input_boxes, spec.output_boxes, spec.dtype, "C", self.pe)
         )
         self._plans[key] = plan
-        limit = int(dask.config.get("pgas.plan-cache-size", 16))
+        limit = setting("plan-cache-size")
         while len(self._plans) > limit:  # same sequence of runs everywhere -> same evictions
             _, old = self._plans.popitem(last=False)
             old.free()

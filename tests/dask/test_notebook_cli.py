@@ -201,6 +201,23 @@ def test_cli_world_with_a_stale_scheduler_file(tmp_path, capsys):
     assert "no scheduler answers" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("content", ["", "{}", "garbage", "[1, 2]", '{"address": ""}', None])
+def test_cli_world_refuses_what_is_not_a_scheduler_file(tmp_path, capsys, content):
+    """An empty file (the scheduler is still writing it), another file or a directory: argparse's usage error
+    saying so (exit 2), not distributed's traceback."""
+    from dask_pgas.cli import main
+
+    path = tmp_path / "scheduler.json"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exc:
+        main(["world", "--scheduler-file", str(path), "--timeout", "2"])
+    assert exc.value.code == 2
+    assert "is not a scheduler file" in capsys.readouterr().err
+
+
 def test_dask_cuda_example_says_what_it_needs():
     """``--help`` works without the GPU packages; without them the example says how to install them."""
     import importlib.util

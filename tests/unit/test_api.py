@@ -229,9 +229,9 @@ def test_steps_are_logged_at_info_and_mismatches_are_value_errors(caplog):
                     assert isinstance(info.value, errors.UnsupportedOperandError)
         steps = [m for m in caplog.messages if m.startswith(r._name)]
         assert [m.split(": ", 1)[1].split(" in ")[0] for m in steps] == [
-            "global shape (2, 3), numpy float64 operand, Box(lower=(0, 0), upper=(2, 3)) -> Box(lower=(0, 0), upper=(2, 3)), order C, on "
-            "the mpi engine: created", "planning", "planned", "execute() starts (blocking, "
-            "sync_symmetric_memory=True)", "execute() ended", "resources released"], steps
+            "global shape (2, 3), numpy float64 operand, Box(lower=(0, 0), upper=(2, 3)) -> "
+            "Box(lower=(0, 0), upper=(2, 3)), order C, on the mpi engine: created", "planning", "planned",
+            "execute() starts (blocking, sync_symmetric_memory=True)", "execute() ended", "resources released"], steps
         assert all(rec.levelno == logging.INFO for rec in caplog.records if rec.name == "dask_pgas.reshape")
     finally:
         dask_pgas.finalize()

@@ -57,7 +57,8 @@ def test_box_shape_and_to_like_nvmath():
 
 @pytest.mark.parametrize(
     ("lower", "upper", "error"),
-    [((0,), (1, 2), ValueError), ((2,), (1,), ValueError), ((), (), ValueError), ((0.5,), (1,), ValueError), (3, 4, ValueError)],
+    [((0,), (1, 2), ValueError), ((2,), (1,), ValueError), ((), (), ValueError), ((0.5,), (1,), ValueError),
+     (3, 4, ValueError)],
 )
 def test_box_rejects(lower, upper, error):
     with pytest.raises(error):

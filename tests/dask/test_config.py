@@ -1,0 +1,74 @@
+"""The ``pgas.*`` config keys and the arguments of the Dask API are checked before anything runs (no cluster)."""
+
+from __future__ import annotations
+
+import dask
+import dask.array as da
+import pytest
+
+import dask_pgas
+from dask_pgas.integration import _config
+from dask_pgas.integration._client import World
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("plan-cache-size", 0),  # evicted (and freed) the plan it had just built: a broken world
+        ("plan-cache-size", -1),
+        ("plan-cache-size", "abc"),
+        ("plan-cache-size", True),
+        ("buffer-growth", 0.5),
+        ("buffer-growth", "fast"),
+        ("output-pool", -5),
+        ("output-pool", "bogus"),
+        ("local-rechunk", "maybe"),
+        ("collective-timeout", "bogus"),
+        ("collective-timeout", 0),
+        ("bootstrap-timeout", "-1s"),
+        ("fallback", "nope"),
+        ("backends", 3),
+    ],
+)
+def test_a_bad_value_names_its_key(key, value):
+    with dask.config.set({f"pgas.{key}": value}):
+        with pytest.raises(ValueError, match=f"config pgas.{key} must be"):
+            _config.setting(key)
+        with pytest.raises(ValueError, match=f"pgas.{key}"):
+            _config.check_all()
+        # and rechunk refuses it before it looks for a client or builds a graph
+        with pytest.raises(ValueError, match=f"pgas.{key}"):
+            dask_pgas.rechunk(da.ones((4, 4), chunks=2), (4, 1))
+
+
+def test_good_values():
+    _config.check_all()  # the defaults of pgas.yaml
+    with dask.config.set({"pgas.output-pool": "2KiB", "pgas.local-rechunk": "false", "pgas.plan-cache-size": 1,
+                          "pgas.collective-timeout": "90s", "pgas.bootstrap-timeout": 5, "pgas.buffer-growth": 1}):
+        assert _config.setting("output-pool") == 2048
+        assert _config.setting("local-rechunk") is False
+        assert _config.setting("collective-timeout") == 90.0 and _config.setting("bootstrap-timeout") == 5.0
+        assert _config.setting("buffer-growth") == 1.0 and _config.setting("plan-cache-size") == 1
+    with dask.config.set({"pgas.output-pool": 0, "pgas.local-rechunk": True}):
+        assert _config.setting("output-pool") == 0 and _config.setting("local-rechunk") is True
+
+
+@pytest.mark.parametrize("timeout", [-1, 0, "bogus", "-5s", float("nan")])
+def test_bootstrap_refuses_a_bad_timeout_before_looking_for_a_client(timeout):
+    with pytest.raises(ValueError, match=r"bootstrap\(timeout=...\) must be a positive duration"):
+        dask_pgas.bootstrap(timeout=timeout)
+
+
+def test_local_mpi_cluster_refuses_env_values_that_are_not_strings():
+    with pytest.raises(ValueError, match="env must map variable names to strings"):
+        dask_pgas.LocalMPICluster(n_workers=1, env={"OMP_NUM_THREADS": 1})
+
+
+def test_pe_of_names_a_worker_that_is_not_a_member():
+    world = World(3, ("tcp://a:1", "tcp://b:2"), ("mpi",))
+    assert world.pe_of("tcp://b:2") == 1
+    with pytest.raises(ValueError, match=r"'tcp://c:3' is not a member of PGAS world #3"):
+        world.pe_of("tcp://c:3")
+    assert world.heap_bytes() == {}
