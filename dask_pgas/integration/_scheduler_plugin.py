@@ -450,11 +450,11 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         self.broken = (
             f"{message}. The PGAS world #{self.epoch} is broken; the input arrays stay computable with "
             "method='tasks'/'p2p'. "
-            + ("MPI collectives cannot be cancelled: workers that were inside one stay blocked there, and "
-               "dask_pgas.bootstrap(client) refuses them until they are restarted (close the cluster and start a "
-               "new one; a LocalMPICluster whose worker died restarts its workers by itself)" if inside else
-               "dask_pgas.bootstrap(client) builds a new world from the workers there are now (it says so when "
-               "one of them must be restarted first)")
+            + "dask_pgas.bootstrap(client) builds a new world from the workers there are now"
+            + (", and refuses any still blocked inside the collective (MPI collectives cannot be cancelled): "
+               "those must be restarted (close the cluster and start a new one; a LocalMPICluster whose worker "
+               "died restarts its workers by itself)" if inside else
+               " (it says so when one of them must be restarted first)")
         )
         logger.error("dask_pgas: %s", self.broken)
         for run in self._in_flight():

@@ -566,3 +566,20 @@ def test_idle_output_blocks_stay_within_the_memory_limit():
             future = client.compute(dask_pgas.rechunk(x, (rows, 2048)).sum())
             assert np.isclose(future.result(timeout=30), total), rows
             assert max(client.run(pool_idle).values()) <= 40 * 2**20, rows
+
+
+def test_a_bad_config_value_on_the_workers_fails_the_rechunk_not_the_world():
+    """``pgas.plan-cache-size: 0`` on the workers only (the client's config is fine, so rechunk builds the graph):
+    it used to evict and free the plan a run had just built, and the collective then broke the world. Now the
+    value is refused inside every PE's run, agreed on before the collective: the rechunk fails naming the key,
+    the world stays intact and the input computable."""
+    from distributed import Client
+
+    with dask_pgas.LocalMPICluster(n_workers=2, backends=[BACKEND], gpus=1 if GPU_WORKERS else 0,
+                                   env={"DASK_PGAS__PLAN_CACHE_SIZE": "0"}) as cluster, Client(cluster) as client:
+        x = on_device(da.random.random((40, 40), chunks=(40, 20))).persist()
+        with pytest.raises(Exception, match="pgas.plan-cache-size"):
+            dask_pgas.rechunk(x, (20, 40)).compute()
+        world = dask_pgas.world(client)
+        assert world.broken is None, world.broken
+        np.testing.assert_array_equal(host(x.rechunk((20, 40), method="tasks").compute()), host(x.compute()))
