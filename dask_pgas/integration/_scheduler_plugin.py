@@ -170,6 +170,10 @@ class PGASSchedulerPlugin(SchedulerPlugin):
 
     async def bootstrap(self, backends: list | None = None, timeout: Any = None) -> dict:
         timeout = setting("bootstrap-timeout") if timeout is None else duration(timeout, "the bootstrap timeout")
+        try:  # read by the watchdog of every run: a bad value refuses the world here, not a run later
+            setting("collective-timeout")
+        except ValueError as exc:
+            return {"status": "error", "message": f"{exc} (on the scheduler)"}
         async with self._lock:
             if self.world and not self.broken and all(w in self.scheduler.workers for w in self.world):
                 return {"status": "OK", **self._describe()}

@@ -660,6 +660,12 @@ class PGASWorkerPlugin(WorkerPlugin):
             local_error = f"{name} was released (cancelled) before its collective ran on PE {self.pe}"
         elif staged is None:
             local_error = f"no input staged for {name} on PE {self.pe}"
+        else:
+            try:  # this worker's config for the run, checked before the first agreement (a PE whose value is bad
+                for key in ("plan-cache-size", "buffer-growth", "output-pool"):  # must not raise after it)
+                    setting(key)
+            except ValueError as exc:
+                local_error = f"{exc} (on {self.worker.address})"
         # Symmetric buffers grow collectively from the spec, so with such an engine in the world every rank
         # first agrees that it holds the spec; otherwise one agreement after the local preparation suffices.
         # (The same choice everywhere: it depends on the world, not on this run.)

@@ -578,8 +578,45 @@ def test_a_bad_config_value_on_the_workers_fails_the_rechunk_not_the_world():
     with dask_pgas.LocalMPICluster(n_workers=2, backends=[BACKEND], gpus=1 if GPU_WORKERS else 0,
                                    env={"DASK_PGAS__PLAN_CACHE_SIZE": "0"}) as cluster, Client(cluster) as client:
         x = on_device(da.random.random((40, 40), chunks=(40, 20))).persist()
-        with pytest.raises(Exception, match="pgas.plan-cache-size"):
+        with pytest.raises(Exception, match=r"pgas\.plan-cache-size"):
             dask_pgas.rechunk(x, (20, 40)).compute()
         world = dask_pgas.world(client)
         assert world.broken is None, world.broken
         np.testing.assert_array_equal(host(x.rechunk((20, 40), method="tasks").compute()), host(x.compute()))
+
+
+def test_a_bad_collective_timeout_on_the_scheduler_refuses_the_world():
+    """The scheduler's watchdog reads ``pgas.collective-timeout`` for every run; a value it cannot take is
+    refused by bootstrap, naming the key, instead of breaking the world at the first rechunk."""
+    from distributed import Client
+
+    with dask_pgas.LocalMPICluster(n_workers=1, backends=[BACKEND], gpus=1 if GPU_WORKERS else 0, bootstrap=False,
+                                   env={"DASK_PGAS__COLLECTIVE_TIMEOUT": "soon"}) as cluster, Client(cluster) as client:
+        with pytest.raises(PGASWorldError, match=r"pgas.collective-timeout must be a positive duration.*scheduler"):
+            dask_pgas.bootstrap(client)
+        assert dask_pgas.world(client) is None
+
+
+def test_a_bad_config_value_on_one_worker_fails_every_pe_alike():
+    """One worker's config differs (set there after start): its PE refuses the run before the first agreement,
+    so the other PEs do not enter a collective without it (on GPU workers the symmetric buffers grow collectively
+    after that agreement, by pgas.buffer-growth: a PE raising there would leave the others in the allocation),
+    and the next rechunk works once the value is fixed."""
+    import dask
+    from distributed import Client
+
+    key, bad, good = ("buffer-growth", 0.5, 1.25) if GPU_WORKERS else ("plan-cache-size", -3, 16)
+
+    def set_value(value):
+        dask.config.set({f"pgas.{key}": value})
+
+    with dask_pgas.LocalMPICluster(n_workers=2, backends=[BACKEND], gpus=1 if GPU_WORKERS else 0) as cluster, \
+            Client(cluster) as client:
+        world = dask_pgas.world(client)
+        x = on_device(da.random.random((40, 40), chunks=(40, 20))).persist()
+        client.run(set_value, bad, workers=[world.workers[1]])
+        with pytest.raises(Exception, match=rf"pgas\.{key} must be .*\(on tcp://"):
+            dask_pgas.rechunk(x, (20, 40)).compute()
+        assert dask_pgas.world(client).broken is None
+        client.run(set_value, good, workers=[world.workers[1]])
+        np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (20, 40)).compute()), host(x.compute()))
