@@ -6,6 +6,8 @@ Each reader raises a ``ValueError`` that names the key and what it takes, so a b
 
 from __future__ import annotations
 
+import numbers
+import operator
 from datetime import timedelta
 from typing import Any
 
@@ -51,11 +53,15 @@ def setting(key: str) -> Any:
     if key in ("collective-timeout", "bootstrap-timeout"):
         return duration(value, f"config pgas.{key}")
     if key == "plan-cache-size":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        try:
+            size = None if isinstance(value, bool) else operator.index(value)
+        except TypeError:
+            size = None
+        if size is None or size < 1:
             raise _bad(key, value, "an integer >= 1 (engine plans kept per worker)")
-        return value
+        return size
     if key == "buffer-growth":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 1:
             raise _bad(key, value, "a number >= 1")
         return float(value)
     if key == "output-pool":

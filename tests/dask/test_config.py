@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dask
 import dask.array as da
+import numpy as np
 import pytest
 
 import dask_pgas
@@ -53,6 +54,8 @@ def test_good_values():
         assert _config.setting("buffer-growth") == 1.0 and _config.setting("plan-cache-size") == 1
     with dask.config.set({"pgas.output-pool": 0, "pgas.local-rechunk": True}):
         assert _config.setting("output-pool") == 0 and _config.setting("local-rechunk") is True
+    with dask.config.set({"pgas.plan-cache-size": np.int64(4), "pgas.buffer-growth": np.float32(1.5)}):
+        assert _config.setting("plan-cache-size") == 4 and _config.setting("buffer-growth") == 1.5
 
 
 @pytest.mark.parametrize("timeout", [-1, 0, "bogus", "-5s", float("nan")])
