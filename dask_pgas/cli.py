@@ -269,7 +269,12 @@ def main(argv: list[str] | None = None) -> int:
             # distributed would wait for the file for ever; dask-mpi removes it when its cluster shuts down
             w.error(f"no scheduler file {args.scheduler_file}: start the cluster first (dask-mpi "
                     "--scheduler-file ...), or check the path")
-        if (why := _not_a_scheduler_file(args.scheduler_file)) is not None:
+        # a file just created may not be written yet (distributed retries such a read briefly too)
+        deadline = time.monotonic() + min(args.timeout, 2.0)
+        while (why := _not_a_scheduler_file(args.scheduler_file)) is not None and os.path.isfile(
+                args.scheduler_file) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if why is not None:
             w.error(f"{args.scheduler_file} is not a scheduler file: {why}")
     logging.getLogger("asyncio").addFilter(_INTERRUPTED_GATHER_NOISE)
     try:

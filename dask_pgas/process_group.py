@@ -97,9 +97,9 @@ def communicator_of(group: Any) -> Any:
     """The mpi4py communicator behind ``group`` (an :class:`MPIProcessGroup` or a communicator itself)."""
     if isinstance(group, MPIProcessGroup):
         return group.communicator
-    if isinstance(group, ProcessGroup):
+    if isinstance(group, ProcessGroup) or not (hasattr(group, "Get_rank") and hasattr(group, "Allgather")):
         raise TypeError(
             f"dask_pgas runs on MPI process groups only, not on a {type(group).__name__}: every rank must pass "
-            "MPIProcessGroup(comm) or an mpi4py communicator"
+            "dask_pgas.MPIProcessGroup(comm) or an mpi4py communicator"
         )
     return group

@@ -236,7 +236,8 @@ class LocalMPICluster:
         if memory_limit is None:  # Dask counts CuPy chunks as host memory: no host limit to spill them by
             memory_limit = "0" if gpus else "auto"
         _check_arguments(n_workers, threads_per_worker, memory_limit, gpus, timeout)
-        bad_env = [(k, v) for k, v in (env or {}).items() if not (isinstance(k, str) and isinstance(v, str))]
+        bad_env = [(k, v) for k, v in (env or {}).items()
+                   if not (isinstance(k, str) and isinstance(v, (str, bytes, os.PathLike)))]
         if bad_env:
             raise ValueError(f"env must map variable names to strings, got {dict(bad_env)!r} (write numbers as "
                              "'1', not 1)")

@@ -6,8 +6,8 @@ Each reader raises a ``ValueError`` that names the key and what it takes, so a b
 
 from __future__ import annotations
 
+import math
 import numbers
-import operator
 from datetime import timedelta
 from typing import Any
 
@@ -24,12 +24,25 @@ def _bad(key: str, value: Any, takes: str) -> ValueError:
 def duration(value: Any, what: str) -> float:
     """``value`` (seconds, a string such as ``"120s"`` or a timedelta) as positive seconds."""
     try:
-        seconds = parse_timedelta(value if isinstance(value, (str, timedelta)) else float(value), "s")
+        seconds = None if isinstance(value, bool) else parse_timedelta(
+            value if isinstance(value, (str, timedelta)) else float(value), "s")
     except (TypeError, ValueError, KeyError):
         seconds = None
     if seconds is None or not seconds > 0:
         raise ValueError(f"{what} must be a positive duration such as 120 or '120s', got {value!r}")
     return float(seconds)
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a finite float (numbers, NumPy numbers and numeric strings as the int()/float() reads
+    before these checks took them), or None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        number = float(value) if isinstance(value, (numbers.Real, str)) else None
+    except ValueError:
+        return None
+    return number if number is not None and math.isfinite(number) else None
 
 
 def _flag(key: str, value: Any) -> bool:
@@ -53,17 +66,15 @@ def setting(key: str) -> Any:
     if key in ("collective-timeout", "bootstrap-timeout"):
         return duration(value, f"config pgas.{key}")
     if key == "plan-cache-size":
-        try:
-            size = None if isinstance(value, bool) else operator.index(value)
-        except TypeError:
-            size = None
-        if size is None or size < 1:
+        number = _number(value)
+        if number is None or number != int(number) or number < 1:
             raise _bad(key, value, "an integer >= 1 (engine plans kept per worker)")
-        return size
+        return int(number)
     if key == "buffer-growth":
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 1:
+        number = _number(value)
+        if number is None or not number >= 1:
             raise _bad(key, value, "a number >= 1")
-        return float(value)
+        return number
     if key == "output-pool":
         try:
             nbytes = parse_bytes(value) if isinstance(value, str) else int(value)

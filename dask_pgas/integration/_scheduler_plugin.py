@@ -19,7 +19,6 @@ import logging
 import pickle
 from typing import Any
 
-import dask
 from dask.utils import parse_timedelta
 from distributed.diagnostics.plugin import SchedulerPlugin
 
@@ -27,6 +26,15 @@ from ..errors import PGASWorldError
 from ._config import duration, setting
 
 logger = logging.getLogger("dask_pgas.integration")
+
+
+def _bad_setting(key: str) -> str | None:
+    """Why config ``pgas.<key>`` of this process cannot be used, or None."""
+    try:
+        setting(key)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 PLUGIN_NAME = "dask-pgas"
 
@@ -170,10 +178,8 @@ class PGASSchedulerPlugin(SchedulerPlugin):
 
     async def bootstrap(self, backends: list | None = None, timeout: Any = None) -> dict:
         timeout = setting("bootstrap-timeout") if timeout is None else duration(timeout, "the bootstrap timeout")
-        try:  # read by the watchdog of every run: a bad value refuses the world here, not a run later
-            setting("collective-timeout")
-        except ValueError as exc:
-            return {"status": "error", "message": f"{exc} (on the scheduler)"}
+        if (bad := _bad_setting("collective-timeout")) is not None:  # read by every run's watchdog
+            return {"status": "error", "message": f"{bad} (on the scheduler)"}
         async with self._lock:
             if self.world and not self.broken and all(w in self.scheduler.workers for w in self.world):
                 return {"status": "OK", **self._describe()}
@@ -197,7 +203,10 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                 }
             ranks = {w: i["mpi_rank"] for w, i in infos.items()}
             if backends is None:
-                backends = dask.config.get("pgas.backends", None)
+                try:
+                    backends = setting("backends")
+                except ValueError as exc:
+                    return {"status": "error", "message": f"{exc} (on the scheduler)"}
             if backends is None:
                 everywhere = set.intersection(*(set(i["available"]) for i in infos.values()))
                 backends = ["nvshmem"] if "nvshmem" in everywhere else ["mpi"]
@@ -349,6 +358,8 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                      f"#{self.epoch if self.world else 'none'}: build the rechunk again")
         elif missing := [w for w in self.world if w not in self.scheduler.workers]:
             error = f"PGAS world members {missing} are gone"
+        elif (bad := _bad_setting("collective-timeout")) is not None:  # the watchdog's: refused before numbering
+            error = f"{bad} (on the scheduler)"
         else:
             error = None
             self._seq += 1

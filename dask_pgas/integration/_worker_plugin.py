@@ -24,7 +24,7 @@ from typing import Any
 
 from distributed import WorkerPlugin
 
-from ..errors import CollectiveError, PGASWorldError, RuntimeStateError, SymmetricMemoryError
+from ..errors import CollectiveError, CollectiveMismatchError, PGASWorldError, RuntimeStateError, SymmetricMemoryError
 from ._config import setting
 
 #: The GPU of a PE is the one its worker's tasks allocate on: CUDA device 0 of what the worker sees. Launchers that
@@ -52,6 +52,10 @@ class RunSpec:
     @property
     def plan_key(self) -> tuple:
         return (self.input_boxes, self.output_boxes, self.dtype)
+
+
+#: the pgas.* keys a run reads on the worker (collective-timeout: by its output tasks)
+_RUN_KEYS = ("plan-cache-size", "buffer-growth", "output-pool", "collective-timeout")
 
 
 class _RunError(CollectiveError):
@@ -231,6 +235,7 @@ class PGASWorkerPlugin(WorkerPlugin):
         self._buffers: dict[str, Any] = {}
         self._scratch_buf = None
         self._plans: OrderedDict = OrderedDict()
+        self._cfg: dict[str, Any] = {}  # the pgas.* values of the current run (read once, before its agreement)
         memory = getattr(worker, "memory_manager", None)
         self._pool = _OutputPool(getattr(memory, "memory_limit", None))
         loop = getattr(worker, "periodic_callbacks", None)
@@ -320,7 +325,7 @@ class PGASWorkerPlugin(WorkerPlugin):
                 f"the output of {name} is not on {self.worker.address}; it was released or the world was "
                 "re-bootstrapped: compute the rechunk again"
             )
-        timeout = setting("collective-timeout") + 30
+        timeout = setting("collective-timeout") + 30  # (checked by the run too, before its collective)
         result = self._wait(done, run, name, timeout)
         # a view: the box is this run's own array (results never alias the symmetric buffers), so a copy per
         # chunk would only double the memory traffic; the box's memory goes back to the pool with its last chunk
@@ -565,7 +570,7 @@ class PGASWorkerPlugin(WorkerPlugin):
         current = self._buffers.get(kind)
         if current is not None and current.nbytes >= nbytes:
             return current
-        growth = setting("buffer-growth")
+        growth = self._cfg.get("buffer-growth") or setting("buffer-growth")
         size = max(nbytes, int((current.nbytes if current is not None else 0) * growth), 1)
         if current is not None:
             del self._buffers[kind]
@@ -616,7 +621,7 @@ class PGASWorkerPlugin(WorkerPlugin):
             ReshapeSpec(spec.input_boxes, spec.output_boxes, spec.dtype, "C", self.pe)
         )
         self._plans[key] = plan
-        limit = setting("plan-cache-size")
+        limit = self._cfg.get("plan-cache-size") or setting("plan-cache-size")
         while len(self._plans) > limit:  # same sequence of runs everywhere -> same evictions
             _, old = self._plans.popitem(last=False)
             old.free()
@@ -661,9 +666,9 @@ class PGASWorkerPlugin(WorkerPlugin):
         elif staged is None:
             local_error = f"no input staged for {name} on PE {self.pe}"
         else:
-            try:  # this worker's config for the run, checked before the first agreement (a PE whose value is bad
-                for key in ("plan-cache-size", "buffer-growth", "output-pool"):  # must not raise after it)
-                    setting(key)
+            try:  # this worker's config for the run, read once and checked before the first agreement (a PE
+                # whose value is bad must not raise after it)
+                self._cfg = {key: setting(key) for key in _RUN_KEYS}
             except ValueError as exc:
                 local_error = f"{exc} (on {self.worker.address})"
         # Symmetric buffers grow collectively from the spec, so with such an engine in the world every rank
@@ -673,6 +678,11 @@ class PGASWorkerPlugin(WorkerPlugin):
         if any(e.requires_symmetric_operands for e in engines):
             if errors := control.agree(local_error):
                 raise _RunError("; ".join(f"PE {r}: {e}" for r, e in errors))
+            try:  # plans are freed collectively there, and buffers grow collectively: the PEs' values must agree
+                control.agree(None, same=("pgas config", tuple(sorted(self._cfg.items()))))
+            except CollectiveMismatchError as exc:
+                raise _RunError(f"the workers' pgas.* config differs ({exc}); give every worker the same "
+                                "values") from exc
             try:
                 buffers = self._grow_buffers(staged[0])
             except (MemoryError, SymmetricMemoryError, CollectiveError) as exc:

@@ -28,6 +28,8 @@ pytestmark = pytest.mark.timeout(60)
         ("local-rechunk", "maybe"),
         ("collective-timeout", "bogus"),
         ("collective-timeout", 0),
+        ("collective-timeout", True),  # what Dask makes of DASK_PGAS__COLLECTIVE_TIMEOUT=true: not 1 s
+        ("plan-cache-size", 16.5),
         ("bootstrap-timeout", "-1s"),
         ("fallback", "nope"),
         ("backends", 3),
@@ -56,6 +58,11 @@ def test_good_values():
         assert _config.setting("output-pool") == 0 and _config.setting("local-rechunk") is True
     with dask.config.set({"pgas.plan-cache-size": np.int64(4), "pgas.buffer-growth": np.float32(1.5)}):
         assert _config.setting("plan-cache-size") == 4 and _config.setting("buffer-growth") == 1.5
+    # what the int()/float() reads before these checks took: integral floats and numeric strings
+    with dask.config.set({"pgas.plan-cache-size": 16.0, "pgas.buffer-growth": "2"}):
+        assert _config.setting("plan-cache-size") == 16 and _config.setting("buffer-growth") == 2.0
+    with dask.config.set({"pgas.plan-cache-size": "8", "pgas.buffer-growth": "1.25"}):
+        assert _config.setting("plan-cache-size") == 8 and _config.setting("buffer-growth") == 1.25
 
 
 @pytest.mark.parametrize("timeout", [-1, 0, "bogus", "-5s", float("nan")])
@@ -75,3 +82,18 @@ def test_pe_of_names_a_worker_that_is_not_a_member():
     with pytest.raises(ValueError, match=r"'tcp://c:3' is not a member of PGAS world #3"):
         world.pe_of("tcp://c:3")
     assert world.heap_bytes() == {}
+
+
+def test_initialize_refuses_what_is_not_an_mpi_communicator():
+    """nvmath's own MPIProcessGroup (or anything without mpi4py's methods) is refused with a TypeError that says
+    what to pass, before any exchange."""
+    from dask_pgas.process_group import communicator_of
+
+    class NvmathLikeGroup:  # nvmath.distributed.MPIProcessGroup's surface: rank, nranks, *_buffer, no Allgather
+        rank, nranks = 0, 1
+
+    for other in (NvmathLikeGroup(), object(), 3):
+        with pytest.raises(TypeError, match=r"dask_pgas\.MPIProcessGroup"):
+            communicator_of(other)
+        with pytest.raises(TypeError, match=r"dask_pgas\.MPIProcessGroup"):
+            dask_pgas.initialize(None, other, backends=["mpi"])

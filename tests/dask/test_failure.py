@@ -618,5 +618,21 @@ def test_a_bad_config_value_on_one_worker_fails_every_pe_alike():
         with pytest.raises(Exception, match=rf"pgas\.{key} must be .*\(on tcp://"):
             dask_pgas.rechunk(x, (20, 40)).compute()
         assert dask_pgas.world(client).broken is None
+        # a valid value that differs between workers: GPU workers free plans and grow buffers collectively by it,
+        # so their run refuses it; MPI plans are local, so CPU workers may differ
+        client.run(set_value, good * 2, workers=[world.workers[1]])
+        if GPU_WORKERS:
+            with pytest.raises(Exception, match=r"pgas\.\* config differs"):
+                dask_pgas.rechunk(x, (20, 40)).compute()
+            assert dask_pgas.world(client).broken is None
+        else:
+            np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (20, 40)).compute()), host(x.compute()))
         client.run(set_value, good, workers=[world.workers[1]])
-        np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (20, 40)).compute()), host(x.compute()))
+        np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (10, 40)).compute()), host(x.compute()))
+        # the scheduler's watchdog timeout made bad after bootstrap: the run is refused before it is numbered
+        client.run_on_scheduler(dask.config.set, {"pgas.collective-timeout": "soon"})
+        with pytest.raises(Exception, match=r"pgas\.collective-timeout must be .*\(on the scheduler\)"):
+            dask_pgas.rechunk(x, (8, 40)).compute()  # (row slabs: an exchange, not a local plan)
+        assert dask_pgas.world(client).broken is None
+        client.run_on_scheduler(dask.config.set, {"pgas.collective-timeout": "120s"})
+        np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (8, 40)).compute()), host(x.compute()))

@@ -203,8 +203,8 @@ def test_cli_world_with_a_stale_scheduler_file(tmp_path, capsys):
 
 @pytest.mark.parametrize("content", ["", "{}", "garbage", "[1, 2]", '{"address": ""}', None])
 def test_cli_world_refuses_what_is_not_a_scheduler_file(tmp_path, capsys, content):
-    """An empty file (the scheduler is still writing it), another file or a directory: argparse's usage error
-    saying so (exit 2), not distributed's traceback."""
+    """An empty file (read again for up to --timeout, at most 2 s: the scheduler may be writing it), another
+    file or a directory: argparse's usage error saying so (exit 2), not distributed's traceback."""
     from dask_pgas.cli import main
 
     path = tmp_path / "scheduler.json"
@@ -213,7 +213,7 @@ def test_cli_world_refuses_what_is_not_a_scheduler_file(tmp_path, capsys, conten
     else:
         path.write_text(content)
     with pytest.raises(SystemExit) as exc:
-        main(["world", "--scheduler-file", str(path), "--timeout", "2"])
+        main(["world", "--scheduler-file", str(path), "--timeout", "1"])  # (a file is read again for 1 s)
     assert exc.value.code == 2
     assert "is not a scheduler file" in capsys.readouterr().err
 
