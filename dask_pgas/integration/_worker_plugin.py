@@ -679,7 +679,8 @@ class PGASWorkerPlugin(WorkerPlugin):
             if errors := control.agree(local_error):
                 raise _RunError("; ".join(f"PE {r}: {e}" for r, e in errors))
             try:  # plans are freed collectively there, and buffers grow collectively: the PEs' values must agree
-                control.agree(None, same=("pgas config", tuple(sorted(self._cfg.items()))))
+                # (the output pool and the output tasks' backstop are local: those may differ)
+                control.agree(None, same=("pgas config", (self._cfg["plan-cache-size"], self._cfg["buffer-growth"])))
             except CollectiveMismatchError as exc:
                 raise _RunError(f"the workers' pgas.* config differs ({exc}); give every worker the same "
                                 "values") from exc
