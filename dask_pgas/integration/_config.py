@@ -2,30 +2,27 @@
 
 Each reader raises a ``ValueError`` that names the key and what it takes, so a bad value fails where it is read
 (the client when it builds a rechunk, a worker's run, which every PE then agrees on) instead of deep inside.
+Strings are read as Dask reads environment variables (``dask.config.interpret_value``) and durations and sizes
+with Dask's parsers.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
 import dask
 from dask.utils import parse_bytes, parse_timedelta
 
-__all__ = ["check_all", "duration", "setting"]
-
-
-def _bad(key: str, value: Any, takes: str) -> ValueError:
-    return ValueError(f"config pgas.{key} must be {takes}, got {value!r}")
+__all__ = ["check_all", "duration", "problem", "setting"]
 
 
 def duration(value: Any, what: str) -> float:
     """``value`` (seconds, a string such as ``"120s"`` or a timedelta) as positive seconds."""
     try:
-        seconds = None if isinstance(value, bool) else parse_timedelta(
-            value if isinstance(value, (str, timedelta)) else float(value), "s")
+        seconds = None if isinstance(value, bool) else parse_timedelta(value, "s")
     except (TypeError, ValueError, KeyError):
         seconds = None
     if seconds is None or not seconds > 0:
@@ -33,70 +30,94 @@ def duration(value: Any, what: str) -> float:
     return float(seconds)
 
 
+#: what a reader returns for a value it cannot take (None is a value: ``backends: null``)
+_BAD: Any = object()
+
+
 def _number(value: Any) -> float | None:
-    """``value`` as a finite float (numbers, NumPy numbers and numeric strings as the int()/float() reads
-    before these checks took them), or None."""
-    if isinstance(value, bool):
+    """``value`` as a finite float (numbers, NumPy numbers and numeric strings, as int()/float() took them), or
+    None."""
+    if isinstance(value, str):
+        value = dask.config.interpret_value(value.strip())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         return None
+    return float(value)
+
+
+def _choice(value: Any) -> Any:
+    return value if value in ("raise", "tasks", "p2p") else _BAD
+
+
+def _backends(value: Any) -> Any:
+    return value if value is None or isinstance(value, (str, list, tuple)) else _BAD
+
+
+def _positive_int(value: Any) -> Any:
+    number = _number(value)
+    return int(number) if number is not None and number == int(number) and number >= 1 else _BAD
+
+
+def _at_least_one(value: Any) -> Any:
+    number = _number(value)
+    return number if number is not None and number >= 1 else _BAD
+
+
+def _size(value: Any) -> Any:
+    if isinstance(value, bool):
+        return _BAD
     try:
-        number = float(value) if isinstance(value, (numbers.Real, str)) else None
+        nbytes = parse_bytes(value) if isinstance(value, str) else int(value)
+    except (TypeError, ValueError):
+        return _BAD
+    return nbytes if nbytes >= 0 else _BAD
+
+
+def _flag(value: Any) -> Any:
+    if isinstance(value, str):
+        value = dask.config.interpret_value(value.strip())
+    return bool(value) if isinstance(value, bool) or value in (0, 1) else _BAD
+
+
+def _seconds(value: Any) -> Any:
+    try:
+        return duration(value, "")
     except ValueError:
-        return None
-    return number if number is not None and math.isfinite(number) else None
+        return _BAD
 
 
-def _flag(key: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("true", "1", "yes", "on"):
-        return True
-    if text in ("false", "0", "no", "off"):
-        return False
-    raise _bad(key, value, "true or false")
+#: key -> (reader: the value, or _BAD; what the key takes)
+_KEYS: dict[str, tuple[Callable[[Any], Any], str]] = {
+    "fallback": (_choice, "'raise', 'tasks' or 'p2p'"),
+    "backends": (_backends, "null or a list of backend names such as [mpi]"),
+    "collective-timeout": (_seconds, "a positive duration such as 120 or '120s'"),
+    "bootstrap-timeout": (_seconds, "a positive duration such as 120 or '120s'"),
+    "plan-cache-size": (_positive_int, "an integer >= 1 (engine plans kept per worker)"),
+    "buffer-growth": (_at_least_one, "a number >= 1"),
+    "output-pool": (_size, "a size such as '1GiB', or 0 to turn the pool off"),
+    "local-rechunk": (_flag, "true or false"),
+}
 
 
 def setting(key: str) -> Any:
     """The checked value of config ``pgas.<key>`` (for durations: seconds)."""
+    read, takes = _KEYS[key]
     value = dask.config.get(f"pgas.{key}")
-    if key == "fallback":
-        if value not in ("raise", "tasks", "p2p"):
-            raise _bad(key, value, "'raise', 'tasks' or 'p2p'")
-        return value
-    if key in ("collective-timeout", "bootstrap-timeout"):
-        return duration(value, f"config pgas.{key}")
-    if key == "plan-cache-size":
-        number = _number(value)
-        if number is None or number != int(number) or number < 1:
-            raise _bad(key, value, "an integer >= 1 (engine plans kept per worker)")
-        return int(number)
-    if key == "buffer-growth":
-        number = _number(value)
-        if number is None or not number >= 1:
-            raise _bad(key, value, "a number >= 1")
-        return number
-    if key == "output-pool":
-        try:
-            nbytes = parse_bytes(value) if isinstance(value, str) else int(value)
-        except (TypeError, ValueError):
-            nbytes = -1
-        if isinstance(value, bool) or nbytes < 0:
-            raise _bad(key, value, "a size such as '1GiB', or 0 to turn the pool off")
-        return nbytes
-    if key == "local-rechunk":
-        return _flag(key, value)
-    if key == "backends":
-        if value is not None and not isinstance(value, (str, list, tuple)):
-            raise _bad(key, value, "null or a list of backend names such as [mpi]")
-        return value
-    raise KeyError(f"no config key pgas.{key}")
+    result = read(value)
+    if result is _BAD:
+        raise ValueError(f"config pgas.{key} must be {takes}, got {value!r}")
+    return result
 
 
-KEYS = ("fallback", "backends", "collective-timeout", "bootstrap-timeout", "plan-cache-size", "buffer-growth",
-        "output-pool", "local-rechunk")
+def problem(key: str) -> str | None:
+    """Why config ``pgas.<key>`` of this process cannot be used, or None."""
+    try:
+        setting(key)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def check_all() -> None:
     """Raise for the first ``pgas.*`` key of this process with a value it cannot take."""
-    for key in KEYS:
+    for key in _KEYS:
         setting(key)

@@ -23,26 +23,19 @@ from dask.utils import parse_timedelta
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from ..errors import PGASWorldError
-from ._config import duration, setting
+from ._config import duration, problem, setting
 
 logger = logging.getLogger("dask_pgas.integration")
-
-
-def _bad_setting(key: str) -> str | None:
-    """Why config ``pgas.<key>`` of this process cannot be used, or None."""
-    try:
-        setting(key)
-    except ValueError as exc:
-        return str(exc)
-    return None
 
 PLUGIN_NAME = "dask-pgas"
 
 
 class _Run:
-    def __init__(self, name: str, seq: int) -> None:
+    def __init__(self, name: str, seq: int, timeout: float | None = None) -> None:
         self.name = name
         self.seq = seq
+        #: its watchdog's, read once when it is numbered (config ``pgas.collective-timeout`` by default)
+        self.timeout = setting("collective-timeout") if timeout is None else timeout
         loop = asyncio.get_running_loop()
         self.failed: asyncio.Future = loop.create_future()
         self.ended: asyncio.Future = loop.create_future()  # its collective has ended on every member (or failed)
@@ -178,7 +171,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
 
     async def bootstrap(self, backends: list | None = None, timeout: Any = None) -> dict:
         timeout = setting("bootstrap-timeout") if timeout is None else duration(timeout, "the bootstrap timeout")
-        if (bad := _bad_setting("collective-timeout")) is not None:  # read by every run's watchdog
+        if (bad := problem("collective-timeout")) is not None:  # read by every run's watchdog
             return {"status": "error", "message": f"{bad} (on the scheduler)"}
         async with self._lock:
             if self.world and not self.broken and all(w in self.scheduler.workers for w in self.world):
@@ -350,7 +343,11 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         """Number the run of ``name`` and tell every member to run it (all transfer tasks are done)."""
         self._ready.pop(name, None)
         seq = self._seq
-        run = _Run(name, seq)
+        try:  # the watchdog's, read once: a bad value refuses the run before it is numbered
+            timeout, bad = setting("collective-timeout"), None
+        except ValueError as exc:
+            timeout, bad = 0.0, f"{exc} (on the scheduler)"
+        run = _Run(name, seq, timeout)
         if self.broken:
             error = self.broken
         elif epoch != self.epoch or not self.world:
@@ -358,8 +355,8 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                      f"#{self.epoch if self.world else 'none'}: build the rechunk again")
         elif missing := [w for w in self.world if w not in self.scheduler.workers]:
             error = f"PGAS world members {missing} are gone"
-        elif (bad := _bad_setting("collective-timeout")) is not None:  # the watchdog's: refused before numbering
-            error = f"{bad} (on the scheduler)"
+        elif bad is not None:
+            error = bad
         else:
             error = None
             self._seq += 1
@@ -398,7 +395,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         name, seq = run.name, run.seq
         if run.failed.done():  # the world broke (_break fails every run in flight) since numbering: send nothing
             return {"status": "error", "message": self.broken}
-        timeout = setting("collective-timeout")
+        timeout = run.timeout
         tasks = {
             asyncio.ensure_future(self.scheduler.rpc(w).pgas_start(name=name, seq=seq, epoch=epoch)): w
             for w in self.world

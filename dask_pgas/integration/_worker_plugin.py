@@ -570,7 +570,7 @@ class PGASWorkerPlugin(WorkerPlugin):
         current = self._buffers.get(kind)
         if current is not None and current.nbytes >= nbytes:
             return current
-        growth = self._cfg.get("buffer-growth") or setting("buffer-growth")
+        growth = self._cfg.get("buffer-growth") or setting("buffer-growth")  # (the run's; the config outside one)
         size = max(nbytes, int((current.nbytes if current is not None else 0) * growth), 1)
         if current is not None:
             del self._buffers[kind]
@@ -584,6 +584,8 @@ class PGASWorkerPlugin(WorkerPlugin):
         idle pooled blocks would never run the output tasks pinned to it.) Returns the bytes dropped."""
         from distributed.core import Status
 
+        if not self._pool.idle and self._scratch_buf is None:  # nothing to give back: no memory sample
+            return 0
         worker = self.worker
         memory = getattr(worker, "memory_manager", None)
         limit = getattr(memory, "memory_limit", None)
@@ -621,7 +623,7 @@ class PGASWorkerPlugin(WorkerPlugin):
             ReshapeSpec(spec.input_boxes, spec.output_boxes, spec.dtype, "C", self.pe)
         )
         self._plans[key] = plan
-        limit = self._cfg.get("plan-cache-size") or setting("plan-cache-size")
+        limit = self._cfg.get("plan-cache-size") or setting("plan-cache-size")  # (the run's; the config outside one)
         while len(self._plans) > limit:  # same sequence of runs everywhere -> same evictions
             _, old = self._plans.popitem(last=False)
             old.free()
