@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["ArrayInfo", "array_info", "package_name", "package_of", "to_numpy_dtype"]
+__all__ = [
+    "ArrayInfo", "array_info", "from_host_view", "host_view", "is_host_tensor", "package_name", "package_of",
+    "to_numpy_dtype",
+]
 
 _PACKAGES = ("numpy", "cupy", "torch")
 
@@ -35,11 +39,49 @@ def package_of(obj: Any) -> str | None:
 
 
 def to_numpy_dtype(dtype: Any) -> np.dtype:
-    """NumPy dtype of a NumPy/CuPy dtype spec or a torch dtype."""
+    """NumPy dtype of a NumPy/CuPy dtype spec or a torch dtype; a torch dtype NumPy lacks (``bfloat16``, the
+    float8 types, ``complex32``) is raw bytes of its size (``V2``, ``V1``, ``V4``)."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(dtype, torch.dtype):
-        return np.dtype(torch.empty((), dtype=dtype).numpy().dtype) if dtype != torch.bfloat16 else np.dtype("V2")
+        with warnings.catch_warnings():  # torch warns that complex32 is experimental
+            warnings.simplefilter("ignore")
+            probe = torch.empty((), dtype=dtype)
+        try:
+            return np.dtype(probe.numpy().dtype)
+        except TypeError:  # torch refuses .numpy() for dtypes NumPy has no match for
+            return np.dtype(f"V{probe.element_size()}")
     return np.dtype(dtype)
+
+
+def is_host_tensor(obj: Any) -> bool:
+    """Whether ``obj`` is a torch tensor in host memory (reshaped as its NumPy view, like a NumPy operand)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor) and obj.device.type == "cpu"
+
+
+# integer types of each element size: the view through which torch and NumPy share elements NumPy has no type for
+_TORCH_INTS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def host_view(tensor: Any) -> np.ndarray:
+    """A NumPy array sharing the memory of a torch CPU tensor (its shape and strides; no copy unless the tensor
+    carries a lazy conjugate or negation bit). Elements NumPy has no type for come as raw bytes (``V2`` for
+    ``bfloat16``): a reshape only moves them."""
+    torch = sys.modules["torch"]
+    t = tensor.detach().resolve_conj().resolve_neg()
+    dtype = to_numpy_dtype(t.dtype)
+    if dtype.kind != "V":
+        return t.numpy()
+    return t.view(getattr(torch, _TORCH_INTS[dtype.itemsize])).numpy().view(dtype)
+
+
+def from_host_view(array: np.ndarray, dtype: Any) -> Any:
+    """The torch CPU tensor of ``dtype`` (a torch dtype) sharing ``array``'s memory: the inverse of
+    :func:`host_view`. The tensor keeps ``array`` referenced while it lives."""
+    torch = sys.modules["torch"]
+    if array.dtype.kind != "V":
+        return torch.from_numpy(array)
+    return torch.from_numpy(array.view(_TORCH_INTS[array.dtype.itemsize])).view(dtype)
 
 
 @dataclass(frozen=True)

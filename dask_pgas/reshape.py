@@ -21,7 +21,7 @@ import numpy as np
 
 from . import errors
 from . import runtime as _runtime
-from ._arrays import array_info, package_of
+from ._arrays import array_info, from_host_view, host_view, is_host_tensor, package_of
 from .distribution import Box
 from .engines.base import Engine, ReshapePlan, ReshapeSpec
 from .errors import (
@@ -149,16 +149,18 @@ class Reshape:
     """A planned redistribution of ``operand`` from ``input_box`` to ``output_box`` (all ranks call it).
 
     Args:
-        operand: this rank's piece: a NumPy array (any rank count, MPI or staged through the GPU), or a CuPy
-            array / torch tensor on the symmetric heap (``"nvshmem"`` backend). Its shape is the input box's.
+        operand: this rank's piece: a NumPy array or torch CPU tensor (any rank count, MPI or staged through the
+            GPU), or a CuPy array / torch CUDA tensor on the symmetric heap (``"nvshmem"`` backend). Its shape is
+            the input box's.
         input_box: the part of the global array this rank holds (a :class:`Box` or a ``(lower, upper)`` pair).
         output_box: the part this rank will hold after the reshape.
         options: :class:`ReshapeOptions` or a dict of its fields; ``blocking`` must be the same on every rank.
         stream: CUDA stream (CuPy/torch stream or raw handle) for GPU operands; ignored on CPU.
 
-    The result of :meth:`execute` is a new array of the output box's shape, of the operand's package, in the
-    operand's memory order. When the operand is symmetric memory the result is symmetric memory too (padded to
-    the largest output box) and must be freed with :func:`dask_pgas.free_symmetric_memory`.
+    The result of :meth:`execute` is a new array of the output box's shape, of the operand's package (a torch CPU
+    tensor for a torch CPU operand, which is moved as its NumPy view), in the operand's memory order. When the
+    operand is symmetric memory the result is symmetric memory too (padded to the largest output box) and must be
+    freed with :func:`dask_pgas.free_symmetric_memory`.
 
     :meth:`plan`, :meth:`reset_operand` and :meth:`execute` agree on their preconditions across ranks before any
     collective step, so a misuse on one rank (``execute()`` after ``free()`` or :meth:`release_operand`, with a
@@ -196,7 +198,10 @@ class Reshape:
         self.options: ReshapeOptions = parsed
         self.logger = self.options.logger or _log
         self._engine: Engine = engine
-        self._package: str = desc["package"]
+        self._label: str = desc["package"]  # what the user passed: "numpy", "cupy", "torch", "torch (CPU)"
+        # torch CPU operands are reshaped as their NumPy views; _torch_dtype turns the results back into tensors
+        self._torch_dtype: Any = operand.dtype if desc["host_tensor"] else None
+        self._package: str = "numpy" if desc["host"] else desc["package"]  # the engines' view of the operand
         self._symmetric: bool = desc["symmetric"]
         self._spec = ReshapeSpec(
             input_boxes=tuple(Box(*d["in"]) for d in descs),
@@ -205,15 +210,18 @@ class Reshape:
             order=self._order(descs),
             rank=control.rank,
         )
-        # _source: the user's array; _operand: the same array, or its copy in the plan's memory order, refreshed
-        # from _source at every execute (so in-place updates of the user's array count on every rank alike)
+        # _source: the user's array; _operand: the same array (a torch CPU tensor's NumPy view), or its copy in the
+        # plan's memory order (_copied), refreshed from _source at every execute (so in-place updates of the
+        # user's array count on every rank alike)
         self._source: Any = operand
-        self._operand: Any = operand
+        self._operand: Any = self._local(operand)
+        self._copied = False
         if not all(d["c"] if self._spec.order == "C" else d["f"] for d in descs):
             # some rank copies its operand into the plan's order: a failure there (no memory) reaches every rank
             error = None
             try:
-                self._operand = self._conform(operand)
+                self._operand = self._conform(self._operand)
+                self._copied = not desc[self._spec.order.lower()]
             except Exception as exc:
                 error = (type(exc), str(exc))
             _agree(control, error)
@@ -225,7 +233,7 @@ class Reshape:
             self.logger.info(
                 "%s (rank %d of %d): global shape %s, %s %s operand%s, %s -> %s, order %s, on the %s engine: created",
                 self._name, control.rank, self._spec.nranks, domain.box_shape if domain else "(empty)",
-                self._package, self._spec.dtype, " (symmetric memory)" if self._symmetric else "",
+                self._label, self._spec.dtype, " (symmetric memory)" if self._symmetric else "",
                 self._spec.input_box, self._spec.output_box, self._spec.order, engine.name,
             )
 
@@ -234,7 +242,11 @@ class Reshape:
     def _describe(
         operand: Any, input_box: Any, output_box: Any, options: Any = None
     ) -> tuple[dict, Engine | None, ReshapeOptions | None]:
-        desc: dict[str, Any] = {"error": None, "in": None, "out": None, "package": package_of(operand)}
+        host_tensor = is_host_tensor(operand)
+        desc: dict[str, Any] = {
+            "error": None, "in": None, "out": None, "host_tensor": host_tensor,
+            "package": "torch (CPU)" if host_tensor else package_of(operand),
+        }
         engine, parsed = None, None
         try:
             parsed = _options(options)
@@ -247,12 +259,13 @@ class Reshape:
                 )
             if _was_freed(operand):  # its memory may belong to another allocation now
                 raise SymmetricMemoryError(_FREED_OPERAND + ": pass a live array")
-            info = array_info(operand)
+            # a torch CPU tensor is moved as its NumPy view: never symmetric memory, its result an ordinary tensor
+            info = array_info(host_view(operand) if host_tensor else operand)
             engine = engine_for_package(info.package)
             desc.update(
                 dtype=info.dtype.descr if info.dtype.fields else info.dtype.str, np_dtype=info.dtype,
-                c=info.c_contiguous, f=info.f_contiguous,
-                symmetric=engine.on_heap(operand) or is_symmetric_memory(operand),
+                c=info.c_contiguous, f=info.f_contiguous, host=info.package == "numpy",
+                symmetric=not host_tensor and (engine.on_heap(operand) or is_symmetric_memory(operand)),
             )
             desc["position"] = _heap_position(operand) if desc["symmetric"] else None
             if info.dtype.hasobject:
@@ -298,7 +311,7 @@ class Reshape:
                 f"{[r for r, s in enumerate(sym) if s]} but not on ranks {[r for r, s in enumerate(sym) if not s]}; "
                 "pass symmetric memory on every rank or on none"
             )
-        if all(sym) and descs[0]["package"] != "numpy":
+        if all(sym) and not descs[0]["host"]:
             _check_positions([d["position"] for d in descs])
         ins = [Box(*d["in"]) for d in descs]
         outs = [Box(*d["out"]) for d in descs]
@@ -313,7 +326,7 @@ class Reshape:
             )
         order = Reshape._order(descs)
         dense = [d["c"] if order == "C" else d["f"] for d in descs]
-        if descs[0]["package"] != "numpy" and not all(dense):
+        if not descs[0]["host"] and not all(dense):
             # host operands are copied into the order; GPU operands cannot be, and one rank alone must not raise
             raise UnsupportedOperandError(
                 f"GPU operands must all be {order}-contiguous; they are not on ranks "
@@ -328,8 +341,12 @@ class Reshape:
             return "F"
         return "C"
 
+    def _local(self, operand: Any) -> Any:
+        """What the engine moves: the operand itself, or a torch CPU tensor's NumPy view (no copy)."""
+        return operand if self._torch_dtype is None else host_view(operand)
+
     def _conform(self, operand: Any) -> Any:
-        """The operand in the plan's memory order (a copy only for host operands in another layout)."""
+        """The (local) operand in the plan's memory order (a copy only for host operands in another layout)."""
         info = array_info(operand)
         dense = info.c_contiguous if self._spec.order == "C" else info.f_contiguous
         if dense:
@@ -350,7 +367,7 @@ class Reshape:
         if info.shape != spec.input_box.box_shape or info.dtype != spec.dtype:
             return (f"the operand was changed in place to shape {info.shape} and dtype {info.dtype}; the plan needs "
                     f"{spec.input_box.box_shape} and {spec.dtype}")
-        if self._operand is self._source and not (info.c_contiguous if spec.order == "C" else info.f_contiguous):
+        if not self._copied and not (info.c_contiguous if spec.order == "C" else info.f_contiguous):
             return f"the operand is no longer {spec.order}-contiguous, as it was when planned"
         return None
 
@@ -413,7 +430,7 @@ class Reshape:
                 is copied on the host.
         """
         self._check_runtime()
-        error, conformed, tracked = None, None, None
+        error, local, conformed, tracked = None, None, None, None
         try:
             if self._freed:
                 raise RuntimeStateError("this Reshape was freed; create a new one")
@@ -421,29 +438,34 @@ class Reshape:
                 raise ValueError(
                     "reset_operand() needs an operand; use release_operand() to release the current one"
                 )
-            if package_of(operand) != self._package:
-                raise UnsupportedOperandError(f"new operand must be a {self._package} array")
+            label = "torch (CPU)" if is_host_tensor(operand) else package_of(operand)
+            if label != self._label:
+                raise UnsupportedOperandError(f"new operand must be {self._label}, like the first, not {label}")
             if _was_freed(operand):  # its memory may belong to another allocation now
                 raise SymmetricMemoryError(_FREED_OPERAND + ": pass a live array")
-            info = array_info(operand)
+            local = self._local(operand)
+            info = array_info(local)
             if info.shape != self._spec.input_box.box_shape or info.dtype != self._spec.dtype:
                 raise OperandMismatchError(
                     f"new operand has shape {info.shape} and dtype {info.dtype}; the plan needs "
                     f"{self._spec.input_box.box_shape} and {self._spec.dtype}"
                 )
-            tracked = _allocation_of(operand)
-            symmetric = self._engine.on_heap(operand) or tracked is not None
-            if symmetric != self._symmetric:
-                raise SymmetricMemoryError(
-                    "new operand must " + ("" if self._symmetric else "not ") + "be symmetric memory, like the first"
-                )
-            conformed = self._conform(operand)
+            if self._torch_dtype is None:
+                tracked = _allocation_of(operand)
+                symmetric = self._engine.on_heap(operand) or tracked is not None
+                if symmetric != self._symmetric:
+                    raise SymmetricMemoryError(
+                        "new operand must " + ("" if self._symmetric else "not ")
+                        + "be symmetric memory, like the first"
+                    )
+            conformed = self._conform(local)
         except Exception as exc:  # reported to all ranks, never raised alone
             error = (type(exc), str(exc))
         self._agree_call(_control_plane(), error, "reset_operand")
         if self._symmetric and self._package != "numpy":  # known alike on every rank: all exchange, or none
             _check_positions(_control_plane().allgather(_heap_position(operand)))
         self._source, self._operand, self._tracked = operand, conformed, tracked
+        self._copied = conformed is not local
         self._released = False
 
     def release_operand(self) -> None:
@@ -483,6 +505,12 @@ class Reshape:
                 error = (SymmetricMemoryError, _FREED_OPERAND + ": give a live one with reset_operand()")
             elif (why := self._operand_mismatch()) is not None:
                 error = (OperandMismatchError, why)
+        local = self._source  # what the engine moves this time (refreshes a conforming copy)
+        if error is None and self._torch_dtype is not None:
+            try:  # a fresh view of the tensor (set_ may have given it other storage)
+                local = self._local(self._source)
+            except Exception as exc:
+                error = (type(exc), str(exc))
         # the only exchange on the hot path when all is well; sync_symmetric_memory decides a collective step
         try:
             sync = ("sync_symmetric_memory", bool(sync_symmetric_memory))
@@ -499,8 +527,10 @@ class Reshape:
             except Exception as exc:
                 error = (type(exc), str(exc))
         self._agree_call(_control_plane(), error, "execute", sync)
-        if self._operand is not self._source:
-            np.copyto(self._operand, self._source)  # refresh the conforming copy: in-place updates count
+        if self._copied:
+            np.copyto(self._operand, local)  # refresh the conforming copy: in-place updates count
+        else:
+            self._operand = local
         if self._symmetric:  # collective (agreed inside): after the agreement
             # every rank knows every output box: the common padded size needs no exchange
             padded = max(b.size for b in self._spec.output_boxes) * self._spec.dtype.itemsize
@@ -519,7 +549,7 @@ class Reshape:
                 synchronize(stream)
         self.logger.info("%s: execute() %s in %.3f ms", self._name, "ended" if blocks else "enqueued",
                          (time.perf_counter() - t0) * 1e3)
-        return result
+        return result if self._torch_dtype is None else from_host_view(result, self._torch_dtype)
 
     _POOL = 2  # results kept for reuse: enough for ``b = r.execute()`` in a loop
 

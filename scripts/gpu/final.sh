@@ -108,7 +108,8 @@ job_engine() {
     done
     core_suite 3 cupy 10 100 "$OUT/engine.log"
     core_suite 4 torch 8 100 "$OUT/engine.log"
-    core_suite 2 numpy 10 100 "$OUT/engine.log" ) &
+    core_suite 2 numpy 10 100 "$OUT/engine.log"
+    core_suite 2 torch-cpu 10 100 "$OUT/engine.log" ) &
   wait
   grep -h "passed\|failed" "$OUT/engine-pytest.log" | tail -1 >>"$S"
 }

@@ -17,6 +17,15 @@ def test_random_layouts_against_numpy(nranks):
     check(run_mpi("reshape_suite.py", nranks, "--examples", str(examples), timeout=300), nranks)
 
 
+@pytest.mark.parametrize("nranks", [1, 3])
+def test_torch_cpu_tensors_against_numpy(nranks):
+    """torch CPU tensors (as nvmath takes them), reshaped as their NumPy views: every dtype, bfloat16, float8
+    and complex32 included, strided and F-ordered, come back as torch CPU tensors of the same dtype.
+    (torch is not among the test extras: CI skips this; it runs where torch is installed, and on the GPU host.)"""
+    pytest.importorskip("torch")
+    check(run_mpi("reshape_suite.py", nranks, "--package", "torch-cpu", "--examples", "60", timeout=300), nranks)
+
+
 @pytest.mark.parametrize("pack", ["never", "always"])
 def test_random_layouts_with_and_without_packing(pack):
     """Both ways of sending strided pieces (packed first, as MPICH wants; as subarrays, as Open MPI wants) against

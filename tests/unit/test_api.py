@@ -271,17 +271,18 @@ def test_gpu_operands_in_mixed_layouts_fail_on_every_rank():
 
     def desc(lo, up, c, f, position=(3, 0)):
         return {"error": None, "in": ((lo, 0), (up, 4)), "out": ((0, lo), (4, up)), "package": "cupy",
-                "dtype": "<f8", "symmetric": True, "c": c, "f": f, "position": position}
+                "host": False, "dtype": "<f8", "symmetric": True, "c": c, "f": f, "position": position}
 
     descs = [desc(0, 2, False, True), desc(2, 4, True, False)]
     with pytest.raises(UnsupportedOperandError, match=r"C-contiguous.*ranks \[0\]"):
         Reshape._check_global(descs)
     Reshape._check_global([desc(0, 2, True, True), desc(2, 4, True, False)])  # all C: fine
-    Reshape._check_global([dict(d, package="numpy") for d in descs])  # host operands are copied into order
+    Reshape._check_global([dict(d, package="numpy", host=True) for d in descs])  # host operands: copied into order
     # GPU engines find a peer's operand at this rank's symmetric address: different slices of one array refused
     with pytest.raises(SymmetricMemoryError, match=r"rank 0: allocation #3 \+ 0 bytes; rank 1: allocation #3 \+ 64"):
         Reshape._check_global([desc(0, 2, True, True), desc(2, 4, True, False, (3, 64))])
-    Reshape._check_global([dict(d, package="numpy") for d in (desc(0, 2, True, True), desc(2, 4, True, True, None))])
+    Reshape._check_global([dict(d, package="numpy", host=True)
+                           for d in (desc(0, 2, True, True), desc(2, 4, True, True, None))])
     Reshape._check_global([desc(0, 2, True, True), desc(2, 4, True, False, None)])  # empty: nothing to compare
 
 
@@ -300,3 +301,25 @@ def test_packing_strided_sends_follows_the_mpi_library(monkeypatch):
     monkeypatch.setenv("DASK_PGAS_MPI_PACK", "bogus")
     with pytest.warns(UserWarning, match="DASK_PGAS_MPI_PACK"):
         assert engine._pack_strided_sends() is False  # auto, under Open MPI
+
+
+def test_torch_cpu_tensors_are_moved_as_numpy_views():
+    """A torch CPU operand is moved as a NumPy view of its memory (no copy) and the result viewed back as a tensor
+    of the same torch dtype, also for the dtypes NumPy lacks (raw bytes of their size)."""
+    torch = pytest.importorskip("torch")
+    from dask_pgas._arrays import from_host_view, host_view, is_host_tensor, to_numpy_dtype
+
+    assert is_host_tensor(torch.zeros(2)) and not is_host_tensor(np.zeros(2))
+    for dtype, expect in [(torch.float32, np.dtype("float32")), (torch.bfloat16, np.dtype("V2")),
+                          (torch.float8_e4m3fn, np.dtype("V1")), (torch.complex32, np.dtype("V4")),
+                          (torch.uint16, np.dtype("uint16"))]:
+        assert to_numpy_dtype(dtype) == expect, dtype
+        t = torch.arange(12).reshape(3, 4).to(dtype).T  # a strided (F-ordered) view
+        view = host_view(t)
+        assert view.dtype == expect and view.shape == (4, 3) and view.ctypes.data == t.data_ptr()
+        assert view.strides == tuple(s * t.element_size() for s in t.stride())
+        back = from_host_view(view, dtype)
+        assert back.dtype == dtype and back.data_ptr() == t.data_ptr() and back.stride() == t.stride()
+    # a lazily conjugated tensor is resolved (a copy), so the bytes moved are the conjugate's
+    z = torch.tensor([1 + 2j, 3 - 1j]).conj()
+    assert np.array_equal(host_view(z), np.array([1 - 2j, 3 + 1j], dtype=np.complex64))

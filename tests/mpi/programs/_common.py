@@ -25,7 +25,8 @@ RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 def options(extra=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", default="mpi", choices=["mpi", "nvshmem"])
-    parser.add_argument("--package", default="numpy", choices=["numpy", "cupy", "torch"])
+    # torch-cpu: torch CPU tensors (reshaped as their NumPy views, any backend); torch: symmetric CUDA tensors
+    parser.add_argument("--package", default="numpy", choices=["numpy", "cupy", "torch", "torch-cpu"])
     parser.add_argument("--examples", type=int, default=40)
     if extra:
         extra(parser)
@@ -42,7 +43,33 @@ def to_numpy(array):
         return array
     if type(array).__module__.startswith("cupy"):
         return array.get()
-    return array.cpu().numpy()
+    return torch_bytes(array.cpu())
+
+
+# integers of each element size: how a test sees torch elements NumPy has no type for (bfloat16, float8, ...)
+_INTS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+# torch dtypes NumPy lacks, as the raw-bytes NumPy dtype a test generates them in
+TORCH_ONLY = {"bfloat16": "V2", "float8_e4m3fn": "V1", "float8_e5m2": "V1", "complex32": "V4"}
+
+
+def torch_bytes(tensor) -> np.ndarray:
+    """A host tensor as NumPy, elements NumPy lacks as raw bytes of their size (``V2`` for bfloat16)."""
+    import torch
+
+    try:
+        return tensor.numpy()
+    except TypeError:  # no NumPy dtype: the same bytes through an integer of the element's size
+        n = tensor.element_size()
+        return tensor.view(getattr(torch, _INTS[n])).numpy().view(f"V{n}")
+
+
+def torch_cpu(host: np.ndarray, torch_dtype=None):
+    """A torch CPU tensor sharing ``host``'s memory (shape and strides); raw ``V`` elements become ``torch_dtype``."""
+    import torch
+
+    if host.dtype.kind != "V":
+        return torch.from_numpy(host)
+    return torch.from_numpy(host.view(_INTS[host.dtype.itemsize])).view(getattr(torch, torch_dtype))
 
 
 def to_device(host: np.ndarray, like):
@@ -54,7 +81,13 @@ def to_device(host: np.ndarray, like):
     else:
         import torch
 
-        like.copy_(torch.from_numpy(np.ascontiguousarray(host)).reshape(like.shape))
+        host = np.ascontiguousarray(host)
+        if host.dtype.kind == "V":  # a torch type NumPy lacks: copy the bytes through an integer of its size
+            ints = _INTS[host.dtype.itemsize]
+            host, like_ints = host.view(ints), like.view(getattr(torch, ints))
+        else:
+            like_ints = like
+        like_ints.copy_(torch.from_numpy(host).reshape(like.shape))
     return like
 
 

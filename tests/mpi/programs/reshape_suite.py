@@ -10,7 +10,20 @@ import random
 import sys
 
 import numpy as np
-from _common import COMM, RANK, SIZE, all_ok, initialize, options, partition, report_ok, to_device, to_numpy
+from _common import (
+    COMM,
+    RANK,
+    SIZE,
+    TORCH_ONLY,
+    all_ok,
+    initialize,
+    options,
+    partition,
+    report_ok,
+    to_device,
+    to_numpy,
+    torch_cpu,
+)
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -31,9 +44,16 @@ HOST_ONLY = ["uint16", "uint32", "uint64", ">f8", "<i4", "S5", "V3",
              np.dtype([("a", "i1"), ("b", "<f8")]), np.dtype([("a", "i1"), ("b", "<f8")], align=True),
              *STRING_STRUCTS, *EXTENDED]
 DTYPES = [np.dtype(d) for d in COMMON + (HOST_ONLY if opts.package == "numpy" else [])]
+# (NumPy dtype, torch dtype name or None): torch CPU tensors also take NumPy's unsigned types and the types NumPy
+# lacks, generated as raw bytes of their size and viewed as that torch type
+ELEMENTS = [(d, None) for d in DTYPES]
+if opts.package == "torch-cpu":
+    ELEMENTS += [(np.dtype(d), None) for d in ("uint16", "uint32", "uint64")]
+if opts.package in ("torch", "torch-cpu"):
+    ELEMENTS += [(np.dtype(raw_dtype), name) for name, raw_dtype in TORCH_ONLY.items()]
 # NumPy symmetric memory exists on the mpi backend only (nvshmem stages NumPy operands through the GPU heap)
 HOST_KINDS = ["plain", "symmetric", "strided"] if opts.backend == "mpi" else ["plain", "strided"]
-KINDS = HOST_KINDS if opts.package == "numpy" else ["symmetric"]
+KINDS = {"numpy": HOST_KINDS, "torch-cpu": ["plain", "strided"]}.get(opts.package, ["symmetric"])
 
 
 def global_array(shape, dtype, seed):
@@ -64,24 +84,25 @@ def piece(glob, box, order):
     return np.asarray(raw(glob)[box.relative_to(Box((0,) * glob.ndim, glob.shape))], order=order).view(glob.dtype)
 
 
-def make_operand(local, kind, order):
-    if kind == "plain":
-        return local
+def make_operand(local, kind, order, torch_name=None):
     if kind == "strided":
         holder = np.empty((*local.shape, 2), dtype=local.dtype)
         raw(holder)[..., 0] = raw(local)
-        return holder[..., 0]
-    op = dask_pgas.allocate_symmetric_memory(
-        local.shape, opts.package, dtype=local.dtype if opts.package != "torch" else _torch_dtype(local.dtype),
-        axis_order=order, make_symmetric=True,
-    )
+        local = holder[..., 0]
+    if opts.package == "torch-cpu":
+        return torch_cpu(local, torch_name)
+    if kind in ("plain", "strided"):
+        return local
+    dtype = local.dtype if opts.package != "torch" else _torch_dtype(local.dtype, torch_name)
+    op = dask_pgas.allocate_symmetric_memory(local.shape, opts.package, dtype=dtype, axis_order=order,
+                                             make_symmetric=True)
     return to_device(local, op)
 
 
-def _torch_dtype(dtype):
+def _torch_dtype(dtype, torch_name=None):
     import torch
 
-    return torch.from_numpy(np.empty(0, dtype)).dtype
+    return getattr(torch, torch_name) if torch_name else torch.from_numpy(np.empty(0, dtype)).dtype
 
 
 @st.composite
@@ -91,16 +112,24 @@ def cases(draw):
     shape = tuple(draw(st.lists(st.integers(0, limit), min_size=ndim, max_size=ndim)))
     return dict(
         shape=shape,
-        dtype=draw(st.sampled_from(DTYPES)),
+        element=draw(st.sampled_from(ELEMENTS)),
         order=draw(st.sampled_from("CF")),
         kind=draw(st.sampled_from(KINDS)),
         seed=draw(st.integers(0, 2**32 - 1)),
     )
 
 
-def matches(result, expect) -> bool:
+def matches(result, expect, torch_name=None) -> bool:
     """Local check that never raises: a rank that raised here would skip the collectives that follow."""
     try:
+        if opts.package == "torch-cpu":  # a torch CPU tensor comes back, of the operand's torch type
+            import torch
+
+            want = getattr(torch, torch_name) if torch_name else torch.from_numpy(np.empty(0, expect.dtype)).dtype
+            if not isinstance(result, torch.Tensor) or result.device.type != "cpu" or result.dtype != want:
+                print(f"rank {RANK}: result is {type(result).__name__} {getattr(result, 'dtype', '')}, not a torch "
+                      f"CPU tensor of {want}", file=sys.stderr)
+                return False
         return same_bytes(to_numpy(result), expect)
     except Exception as exc:
         print(f"rank {RANK}: comparing the result raised {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -112,10 +141,11 @@ def run_case(case):
     assert len(set(seen)) == 1, f"ranks drew different examples: {seen}"
     rnd = random.Random(case["seed"])
     ins, outs = partition(case["shape"], SIZE, rnd), partition(case["shape"], SIZE, rnd)
-    glob = global_array(case["shape"], case["dtype"], case["seed"])
+    dtype, torch_name = case["element"]
+    glob = global_array(case["shape"], dtype, case["seed"])
     my_in, my_out = Box(*ins[RANK]), Box(*outs[RANK])
     local = piece(glob, my_in, case["order"])
-    operand = make_operand(local, case["kind"], case["order"])
+    operand = make_operand(local, case["kind"], case["order"], torch_name)
     expect = piece(glob, my_out, "C")
     symmetric = case["kind"] == "symmetric"
     ok, why = True, ""
@@ -124,15 +154,15 @@ def run_case(case):
             plan.plan()
             for attempt in range(2):  # plan once, execute twice
                 result = plan.execute()
-                if not matches(result, expect):
+                if not matches(result, expect, torch_name):
                     ok, why = False, f"execute #{attempt} differs from the reference"
                 if symmetric:
                     dask_pgas.free_symmetric_memory(result)
             if case["kind"] == "plain":  # a new operand through reset_operand
-                glob2 = global_array(case["shape"], case["dtype"], case["seed"] + 1)
+                glob2 = global_array(case["shape"], dtype, case["seed"] + 1)
                 local2 = piece(glob2, my_in, case["order"])
-                plan.reset_operand(local2)
-                if not matches(plan.execute(), piece(glob2, my_out, "C")):
+                plan.reset_operand(make_operand(local2, "plain", case["order"], torch_name))
+                if not matches(plan.execute(), piece(glob2, my_out, "C"), torch_name):
                     ok, why = False, "execute after reset_operand differs from the reference"
         if symmetric:
             dask_pgas.free_symmetric_memory(operand)
@@ -158,7 +188,7 @@ def fixed_cases():
     if opts.package == "numpy":
         cases += [((24, 5), order, dtype) for order, dtype in zip("CF", STRING_STRUCTS)]
     for shape, order, dtype in cases:
-        run_case(dict(shape=shape, dtype=np.dtype(dtype), order=order, kind=KINDS[0], seed=7))
+        run_case(dict(shape=shape, element=(np.dtype(dtype), None), order=order, kind=KINDS[0], seed=7))
 
 
 def nvmath_names():
@@ -204,9 +234,64 @@ def nvmath_names():
     assert all_ok(ok), f"rank {RANK}: {why or 'another rank failed'}, boxes in={ins} out={outs}"
 
 
+def torch_cpu_rules():
+    """What a torch CPU operand does beyond the random layouts, each agreed on every rank: in-place updates and a
+    storage swapped in by ``set_`` are seen by the next ``execute()``; a tensor that requires grad is reshaped (the
+    result does not); ``reset_operand`` refuses a NumPy array on every rank; NumPy on one rank and torch on
+    another is refused on every rank."""
+    import torch
+
+    from dask_pgas.errors import OperandMismatchError, UnsupportedOperandError
+
+    shape = (6, 5)
+    rnd = random.Random(5)
+    ins, outs = partition(shape, SIZE, rnd), partition(shape, SIZE, rnd)
+    my_in, my_out = Box(*ins[RANK]), Box(*outs[RANK])
+    glob = torch.arange(30, dtype=torch.float64).reshape(shape)
+
+    def part(t, box):
+        return t[tuple(slice(lo, up) for lo, up in zip(box.lower, box.upper))]
+
+    checks = {}
+
+    def expect(name, got, want):
+        checks[name] = isinstance(got, torch.Tensor) and torch.equal(got, want)
+
+    def expect_raise(name, error, fn, says):
+        try:
+            fn()
+            checks[name] = False
+        except error as exc:
+            checks[name] = says in str(exc)
+
+    x = part(glob, my_in).clone().requires_grad_(True)
+    with Reshape(x, my_in, my_out) as r:
+        r.plan()
+        first = r.execute()
+        expect("requires_grad operand", first, part(glob, my_out))
+        checks["result needs no grad"] = not first.requires_grad
+        with torch.no_grad():
+            x.mul_(2)
+        expect("in-place update", r.execute(), 2 * part(glob, my_out))
+        with torch.no_grad():
+            x.set_(part(glob, my_in).clone() + 100)
+        expect("storage swapped by set_", r.execute(), part(glob, my_out) + 100)
+        expect_raise("reset_operand(numpy) refused", UnsupportedOperandError,
+                     lambda: r.reset_operand(part(glob, my_in).numpy()),
+                     "must be torch (CPU), like the first, not numpy")
+    if SIZE > 1:
+        mixed = part(glob, my_in).numpy() if RANK == 0 else part(glob, my_in).clone()
+        expect_raise("numpy and torch across ranks", OperandMismatchError, lambda: Reshape(mixed, my_in, my_out),
+                     "rank 0: numpy, rank 1: torch (CPU)")
+    failed = [name for name, ok in checks.items() if not ok]
+    assert all_ok(not failed), f"rank {RANK}: {failed or 'another rank failed'}"
+
+
 fixed_cases()
 if opts.package == "numpy":
     nvmath_names()
+if opts.package == "torch-cpu":
+    torch_cpu_rules()
 test_random_layouts()
 usage = dask_pgas.heap_usage()
 assert usage["allocations"] == 0, f"symmetric memory leaked: {usage}"
