@@ -129,6 +129,14 @@ def _agree(
         raise _RAISABLE.get(name, errors.CollectiveError)(f"rank {rank}: {msg}")
 
 
+def _dtype_name(operand: Any, dtype: np.dtype) -> Any:
+    """What the ranks compare for an operand's dtype: a torch dtype's own name (NumPy sees both float8 types as
+    ``V1``), else the NumPy dtype's string (fields in full for structured dtypes)."""
+    if package_of(operand) == "torch":
+        return str(operand.dtype)
+    return dtype.descr if dtype.fields else str(dtype)
+
+
 def _check_positions(positions: list[tuple[int, int] | None]) -> None:
     """GPU engines address a peer's operand at this rank's symmetric address: every rank's non-empty symmetric
     operand must start at the same place of the same allocation (not, say, different slices of one array).
@@ -199,8 +207,11 @@ class Reshape:
         self.logger = self.options.logger or _log
         self._engine: Engine = engine
         self._label: str = desc["package"]  # what the user passed: "numpy", "cupy", "torch", "torch (CPU)"
-        # torch CPU operands are reshaped as their NumPy views; _torch_dtype turns the results back into tensors
-        self._torch_dtype: Any = operand.dtype if desc["host_tensor"] else None
+        # torch CPU operands are reshaped as their NumPy views, and the results viewed back as tensors; a torch
+        # operand's own dtype types its results (NumPy sees bfloat16 and the float8 types as raw bytes only)
+        self._host_tensor: bool = desc["host_tensor"]
+        self._tensor_dtype: Any = operand.dtype if desc["package"] in ("torch", "torch (CPU)") else None
+        self._dtype_name = desc["dtype"]
         self._package: str = "numpy" if desc["host"] else desc["package"]  # the engines' view of the operand
         self._symmetric: bool = desc["symmetric"]
         self._spec = ReshapeSpec(
@@ -262,8 +273,8 @@ class Reshape:
             # a torch CPU tensor is moved as its NumPy view: never symmetric memory, its result an ordinary tensor
             info = array_info(host_view(operand) if host_tensor else operand)
             engine = engine_for_package(info.package)
-            desc.update(
-                dtype=info.dtype.descr if info.dtype.fields else info.dtype.str, np_dtype=info.dtype,
+            desc.update(  # (a torch operand's dtype by its torch name: NumPy sees both float8 types as V1)
+                dtype=_dtype_name(operand, info.dtype), np_dtype=info.dtype,
                 c=info.c_contiguous, f=info.f_contiguous, host=info.package == "numpy",
                 symmetric=not host_tensor and (engine.on_heap(operand) or is_symmetric_memory(operand)),
             )
@@ -343,7 +354,7 @@ class Reshape:
 
     def _local(self, operand: Any) -> Any:
         """What the engine moves: the operand itself, or a torch CPU tensor's NumPy view (no copy)."""
-        return operand if self._torch_dtype is None else host_view(operand)
+        return host_view(operand) if self._host_tensor else operand
 
     def _conform(self, operand: Any) -> Any:
         """The (local) operand in the plan's memory order (a copy only for host operands in another layout)."""
@@ -364,9 +375,10 @@ class Reshape:
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
         spec = self._spec
-        if info.shape != spec.input_box.box_shape or info.dtype != spec.dtype:
-            return (f"the operand was changed in place to shape {info.shape} and dtype {info.dtype}; the plan needs "
-                    f"{spec.input_box.box_shape} and {spec.dtype}")
+        if info.shape != spec.input_box.box_shape or _dtype_name(self._source, info.dtype) != self._dtype_name:
+            return (f"the operand was changed in place to shape {info.shape} and dtype "
+                    f"{_dtype_name(self._source, info.dtype)}; the plan needs {spec.input_box.box_shape} and "
+                    f"{self._dtype_name}")
         if not self._copied and not (info.c_contiguous if spec.order == "C" else info.f_contiguous):
             return f"the operand is no longer {spec.order}-contiguous, as it was when planned"
         return None
@@ -445,12 +457,13 @@ class Reshape:
                 raise SymmetricMemoryError(_FREED_OPERAND + ": pass a live array")
             local = self._local(operand)
             info = array_info(local)
-            if info.shape != self._spec.input_box.box_shape or info.dtype != self._spec.dtype:
+            dtype = _dtype_name(operand, info.dtype)
+            if info.shape != self._spec.input_box.box_shape or dtype != self._dtype_name:
                 raise OperandMismatchError(
-                    f"new operand has shape {info.shape} and dtype {info.dtype}; the plan needs "
-                    f"{self._spec.input_box.box_shape} and {self._spec.dtype}"
+                    f"new operand has shape {info.shape} and dtype {dtype}; the plan needs "
+                    f"{self._spec.input_box.box_shape} and {self._dtype_name}"
                 )
-            if self._torch_dtype is None:
+            if not self._host_tensor:
                 tracked = _allocation_of(operand)
                 symmetric = self._engine.on_heap(operand) or tracked is not None
                 if symmetric != self._symmetric:
@@ -506,7 +519,7 @@ class Reshape:
             elif (why := self._operand_mismatch()) is not None:
                 error = (OperandMismatchError, why)
         local = self._source  # what the engine moves this time (refreshes a conforming copy)
-        if error is None and self._torch_dtype is not None:
+        if error is None and self._host_tensor:
             try:  # a fresh view of the tensor (set_ may have given it other storage)
                 local = self._local(self._source)
             except Exception as exc:
@@ -534,7 +547,8 @@ class Reshape:
         if self._symmetric:  # collective (agreed inside): after the agreement
             # every rank knows every output box: the common padded size needs no exchange
             padded = max(b.size for b in self._spec.output_boxes) * self._spec.dtype.itemsize
-            result = _allocate_internal(self._engine, padded, shape, self._spec.dtype, self._package, order)
+            dtype = self._spec.dtype if self._tensor_dtype is None else self._tensor_dtype
+            result = _allocate_internal(self._engine, padded, shape, dtype, self._package, order)
         stream = stream if stream is not None else self._stream
         blocking = self.options.blocking
         blocks = blocking is True or (blocking == "auto" and self._package == "numpy")
@@ -549,7 +563,7 @@ class Reshape:
                 synchronize(stream)
         self.logger.info("%s: execute() %s in %.3f ms", self._name, "ended" if blocks else "enqueued",
                          (time.perf_counter() - t0) * 1e3)
-        return result if self._torch_dtype is None else from_host_view(result, self._torch_dtype)
+        return from_host_view(result, self._tensor_dtype) if self._host_tensor else result
 
     _POOL = 2  # results kept for reuse: enough for ``b = r.execute()`` in a loop
 

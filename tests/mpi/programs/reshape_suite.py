@@ -279,10 +279,22 @@ def torch_cpu_rules():
         expect_raise("reset_operand(numpy) refused", UnsupportedOperandError,
                      lambda: r.reset_operand(part(glob, my_in).numpy()),
                      "must be torch (CPU), like the first, not numpy")
+    # the float8 types: both one byte, told apart by their torch names
+    e4 = part(glob, my_in).to(torch.float8_e4m3fn)
+    with Reshape(e4, my_in, my_out) as r:
+        r.plan()
+        got = r.execute()
+        checks["float8 result type"] = got.dtype == torch.float8_e4m3fn
+        expect("float8 bytes", got.view(torch.uint8), part(glob, my_out).to(torch.float8_e4m3fn).view(torch.uint8))
+        expect_raise("reset_operand(other float8) refused", OperandMismatchError,
+                     lambda: r.reset_operand(e4.to(torch.float8_e5m2)), "torch.float8_e4m3fn")
     if SIZE > 1:
         mixed = part(glob, my_in).numpy() if RANK == 0 else part(glob, my_in).clone()
         expect_raise("numpy and torch across ranks", OperandMismatchError, lambda: Reshape(mixed, my_in, my_out),
                      "rank 0: numpy, rank 1: torch (CPU)")
+        f8 = e4 if RANK == 0 else e4.to(torch.float8_e5m2)
+        expect_raise("float8 types across ranks", OperandMismatchError, lambda: Reshape(f8, my_in, my_out),
+                     "rank 0: torch.float8_e4m3fn, rank 1: torch.float8_e5m2")
     failed = [name for name, ok in checks.items() if not ok]
     assert all_ok(not failed), f"rank {RANK}: {failed or 'another rank failed'}"
 
