@@ -107,7 +107,7 @@ job_engine() {
       step "gpu_checks np=$np_" 100 "$OUT/engine.log" $MPIRUN -n $np_ python3 tests/gpu/programs/gpu_checks.py
     done
     core_suite 3 cupy 10 100 "$OUT/engine.log"
-    core_suite 4 torch 8 100 "$OUT/engine.log"
+    core_suite 4 torch 30 100 "$OUT/engine.log"
     core_suite 2 numpy 10 100 "$OUT/engine.log"
     core_suite 2 torch-cpu 10 100 "$OUT/engine.log" ) &
   wait
