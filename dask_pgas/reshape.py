@@ -375,7 +375,8 @@ class Reshape:
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
         spec = self._spec
-        if info.shape != spec.input_box.box_shape or _dtype_name(self._source, info.dtype) != self._dtype_name:
+        if (info.shape != spec.input_box.box_shape or info.dtype != spec.dtype
+                or (self._tensor_dtype is not None and self._source.dtype != self._tensor_dtype)):
             return (f"the operand was changed in place to shape {info.shape} and dtype "
                     f"{_dtype_name(self._source, info.dtype)}; the plan needs {spec.input_box.box_shape} and "
                     f"{self._dtype_name}")
