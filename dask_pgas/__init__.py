@@ -12,7 +12,7 @@ The PGAS core mirrors ``nvmath.distributed``::
 
 from . import distribution, errors, process_group, reshape
 from ._version import __version__
-from .distribution import Box
+from .distribution import Box, Slab
 from .engines.nvshmem import get_nvshmem_uniqueid, initialize_from_uniqueid
 from .memory import allocate_symmetric_memory, free_symmetric_memory, heap_usage
 from .process_group import MPIProcessGroup
@@ -35,6 +35,7 @@ __all__ = [
     "RedistributeOptions",
     "Reshape",
     "ReshapeOptions",
+    "Slab",
     "__version__",
     "allocate_symmetric_memory",
     "available_backends",

@@ -1,10 +1,12 @@
-"""Box distributions: the part of a global array that one process holds.
+"""Distributions: the part of a global array that each process holds.
 
-Mirrors ``nvmath.distributed.distribution.Box``: ``lower`` is inclusive, ``upper`` exclusive, both in global
-coordinates, any number of dimensions; ``box_shape`` is its extent and ``shape(rank, global_shape)`` the local
-shape as nvmath's ``Distribution.shape``. nvmath 1.0's names for the reshape, ``redistribute`` /
-``Redistribute`` / ``RedistributeOptions``, are here too (loaded from :mod:`dask_pgas.reshape` on first use).
-Pure Python: no MPI, CUDA or Dask here.
+Mirrors ``nvmath.distributed.distribution``. A :class:`Box` is one process's own piece: ``lower`` is inclusive,
+``upper`` exclusive, both in global coordinates, any number of dimensions; ``box_shape`` is its extent. A
+:class:`Slab` (``Slab.X``, ``Slab.Y``, ``Slab.Z``) partitions the global array along one axis, the first
+``s % P`` processes holding one more index than the others, in rank order; a reshape infers the global shape
+from the operands. ``shape(rank, global_shape)`` is the local shape, as nvmath's ``Distribution.shape``.
+nvmath 1.0's names for the reshape, ``redistribute`` / ``Redistribute`` / ``RedistributeOptions``, are here too
+(loaded from :mod:`dask_pgas.reshape` on first use). Pure Python: no MPI, CUDA or Dask here.
 """
 
 from __future__ import annotations
@@ -12,8 +14,19 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Iterable, Sequence
+from typing import ClassVar
 
-__all__ = ["Box", "Redistribute", "RedistributeOptions", "redistribute"]  # noqa: F822 (the last three: __getattr__)
+from .errors import ConvertDistributionError
+
+__all__ = [  # noqa: F822 (the last three: __getattr__)
+    "Box",
+    "ConvertDistributionError",
+    "Distribution",
+    "Redistribute",
+    "RedistributeOptions",
+    "Slab",
+    "redistribute",
+]
 
 #: nvmath 1.0 moved ``nvmath.distributed.reshape.reshape`` to ``nvmath.distributed.distribution.redistribute``
 _REDISTRIBUTE = ("Redistribute", "RedistributeOptions", "redistribute")
@@ -27,7 +40,49 @@ def _coords(values: Iterable[int], name: str) -> tuple[int, ...]:
     return out
 
 
-class Box:
+def _nranks_and_rank() -> tuple[int, int]:
+    from .runtime import get_context  # (imports no MPI or CUDA)
+
+    ctx = get_context()
+    if ctx is None:
+        raise RuntimeError("dask_pgas is not initialized: call dask_pgas.initialize() first")
+    return ctx.nranks, ctx.rank
+
+
+def _check_rank(rank: int, nranks: int | None) -> None:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"rank must be an integer >= 0, got {rank!r}")
+    if nranks is not None and rank >= nranks:
+        raise ValueError(f"this is not a valid process rank: got rank={rank} with nranks={nranks}")
+
+
+def _check_to(cls: object, ndim: int | None, own_ndim: int | None) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, Distribution) and cls is not Distribution):
+        raise ValueError(f"{cls!r} is not a valid distribution")
+    if ndim is not None and own_ndim is not None and ndim != own_ndim:
+        raise ValueError(f"ndim argument ({ndim}) doesn't match this distribution's dimensionality ({own_ndim})")
+
+
+class Distribution:
+    """How a global array is split across processes (the base of :class:`Box` and :class:`Slab`)."""
+
+    __slots__ = ()
+
+    @property
+    def ndim(self) -> int | None:
+        raise NotImplementedError
+
+    def shape(self, rank: int, global_shape: Sequence[int] | None = None) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def to(self, cls: type, /, *, ndim: int | None = None, copy: bool = False) -> Distribution:
+        raise NotImplementedError
+
+    def copy(self) -> Distribution:
+        raise NotImplementedError
+
+
+class Box(Distribution):
     """A rectangular section ``[lower, upper)`` of a global array.
 
     >>> Box((0, 2), (4, 4)).box_shape
@@ -82,8 +137,7 @@ class Box:
         nvmath, the shape of a peer's piece cannot be known from this process's box). ``global_shape``, when
         given, must contain the box. Unlike nvmath, ``global_shape`` may be left out: a Box is never bound.
         """
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"rank must be an integer >= 0, got {rank!r}")
+        _check_rank(rank, None)
         from .runtime import get_context  # (imports no MPI or CUDA)
 
         ctx = get_context()
@@ -100,12 +154,12 @@ class Box:
         return self.box_shape
 
     def to(self, cls: type, /, *, ndim: int | None = None, copy: bool = False) -> Box:
-        """This distribution as one of type ``cls`` (as nvmath's ``Distribution.to``); a Box only converts to a
-        Box (``ValueError`` for anything that is not a distribution class, as in nvmath)."""
-        if not (isinstance(cls, type) and issubclass(cls, Box)):
-            raise ValueError(f"{cls!r} is not a valid distribution: a Box converts only to a Box")
-        if ndim is not None and ndim != self.ndim:
-            raise ValueError(f"ndim argument ({ndim}) doesn't match this distribution's dimensionality ({self.ndim})")
+        """This distribution as one of type ``cls`` (as nvmath's ``Distribution.to``): a Box converts only to a
+        Box (:class:`ConvertDistributionError` for another distribution, ``ValueError`` for anything that is not
+        a distribution class, as in nvmath)."""
+        _check_to(cls, ndim, self.ndim)
+        if not issubclass(cls, Box):
+            raise ConvertDistributionError(f"a Box cannot be converted to {cls.__name__}: it is one process's piece")
         return self.copy() if copy else self
 
     @property
@@ -164,6 +218,117 @@ class Box:
 
     def __reduce__(self):
         return (Box, (self._lower, self._upper))
+
+
+class Slab(Distribution):
+    """The global array split along axis ``partition_dim``, in rank order: with ``s`` indices on that axis and
+    ``P`` processes, the first ``s % P`` processes hold ``s // P + 1`` of them and the others ``s // P`` (some
+    hold none when ``s < P``). ``Slab.X``, ``Slab.Y`` and ``Slab.Z`` split axes 0, 1 and 2.
+
+    As in nvmath, a reshape from or to a Slab infers the global shape from the operands (all other extents equal
+    on every rank, the partition axis summed), and every rank's operand must have its slab's shape. Unlike
+    nvmath's, a Slab is never bound to a global shape: ``shape(rank, global_shape)`` needs the global shape.
+
+    >>> Slab.Y.shape(0, (4, 10))  # doctest: +SKIP   (rank 0 of 3 processes)
+    (4, 4)
+    """
+
+    __slots__ = ("_ndim", "_partition_dim")
+    X: ClassVar[Slab]
+    Y: ClassVar[Slab]
+    Z: ClassVar[Slab]
+
+    def __init__(self, partition_dim: int, ndim: int | None = None) -> None:
+        if isinstance(partition_dim, bool) or not isinstance(partition_dim, int) or partition_dim < 0:
+            raise ValueError(f"partition_dim must be an integer >= 0, got {partition_dim!r}")
+        if ndim is not None:
+            if isinstance(ndim, bool) or not isinstance(ndim, int) or ndim < 1:
+                raise ValueError(f"ndim must be an integer >= 1, got {ndim!r}")
+            if partition_dim >= ndim:
+                raise ValueError(f"partition_dim ({partition_dim}) must be < ndim ({ndim})")
+        self._partition_dim = partition_dim
+        self._ndim = ndim
+
+    @property
+    def partition_dim(self) -> int:
+        """The axis the array is split along."""
+        return self._partition_dim
+
+    @property
+    def ndim(self) -> int | None:
+        """The dimensionality it applies to; None for any (``Slab.X`` and the like)."""
+        return self._ndim
+
+    @property
+    def name(self) -> str:
+        return {0: "Slab.X", 1: "Slab.Y", 2: "Slab.Z"}.get(self._partition_dim, "Slab")
+
+    def box(self, rank: int, nranks: int, global_shape: Sequence[int]) -> Box:
+        """The part of an array of ``global_shape`` that process ``rank`` of ``nranks`` holds (pure: no runtime
+        needed)."""
+        _check_rank(rank, nranks)
+        whole = _coords(global_shape, "global_shape")
+        if self._ndim is not None and len(whole) != self._ndim:
+            raise ValueError(f"{self} does not apply to a {len(whole)}-D global shape {whole}")
+        if self._partition_dim >= len(whole):
+            raise ValueError(f"{self} splits axis {self._partition_dim}; the global shape {whole} has no such axis")
+        s = whole[self._partition_dim]
+        start = rank * (s // nranks) + min(rank, s % nranks)
+        size = s // nranks + (rank < s % nranks)
+        lower = [0] * len(whole)
+        upper = list(whole)
+        lower[self._partition_dim], upper[self._partition_dim] = start, start + size
+        return Box(lower, upper)
+
+    def shape(self, rank: int, global_shape: Sequence[int] | None = None) -> tuple[int, ...]:
+        """The local shape of process ``rank`` for an array of ``global_shape`` (needs the runtime, for the
+        number of processes)."""
+        if global_shape is None:
+            raise RuntimeError(f"{self} is not bound to a global shape: pass global_shape")
+        nranks, _ = _nranks_and_rank()
+        return self.box(rank, nranks, global_shape).box_shape
+
+    def to(self, cls: type, /, *, ndim: int | None = None, copy: bool = False) -> Slab:
+        """As one of type ``cls`` (as nvmath's ``Distribution.to``): a Slab converts to a Slab (of ``ndim``
+        dimensions when given); to a Box only inside a reshape, where the global shape is known
+        (:class:`ConvertDistributionError` here)."""
+        _check_to(cls, ndim, self._ndim)
+        if not issubclass(cls, Slab):
+            raise ConvertDistributionError(
+                f"{self} names no Box before the global shape is known: a reshape converts it (or use "
+                "Slab.box(rank, nranks, global_shape))"
+            )
+        if ndim is not None and self._partition_dim >= ndim:
+            raise ValueError(f"ndim ({ndim}) must be greater than the partition dimension ({self._partition_dim})")
+        if copy or (ndim is not None and self._ndim is None):
+            return Slab(self._partition_dim, ndim if ndim is not None else self._ndim)
+        return self
+
+    def copy(self) -> Slab:
+        return Slab(self._partition_dim, self._ndim)
+
+    def __eq__(self, other: object) -> bool:
+        """Slabs split the same axis (an unknown dimensionality matches any, as in nvmath)."""
+        if not isinstance(other, Slab):
+            return NotImplemented
+        return self._partition_dim == other._partition_dim and (
+            self._ndim is None or other._ndim is None or self._ndim == other._ndim
+        )
+
+    def __hash__(self) -> int:
+        return self._partition_dim
+
+    def __repr__(self) -> str:
+        return self.name if self._ndim is None and self._partition_dim < 3 else str(self)
+
+    def __str__(self) -> str:
+        return f"Slab(partition_dim={self._partition_dim}, ndim={self._ndim})"  # nvmath's form
+
+    def __reduce__(self):
+        return (Slab, (self._partition_dim, self._ndim))
+
+
+Slab.X, Slab.Y, Slab.Z = Slab(0), Slab(1), Slab(2)
 
 
 def __getattr__(name: str):

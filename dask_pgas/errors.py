@@ -12,6 +12,7 @@ __all__ = [
     "BackendUnavailableError",
     "CollectiveError",
     "CollectiveMismatchError",
+    "ConvertDistributionError",
     "DistributionError",
     "NotInitializedError",
     "OperandMismatchError",
@@ -43,6 +44,11 @@ class BackendUnavailableError(PGASError, RuntimeError):
 
 class DistributionError(PGASError, ValueError):
     """Boxes that do not describe a valid distribution (overlap, holes, mismatched domains or dimensions)."""
+
+
+class ConvertDistributionError(DistributionError):
+    """A distribution cannot be converted to the type asked for (``Distribution.to``), as nvmath's error of that
+    name; a ``ValueError``."""
 
 
 class UnsupportedOperandError(PGASError, TypeError):

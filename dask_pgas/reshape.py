@@ -22,7 +22,7 @@ import numpy as np
 from . import errors
 from . import runtime as _runtime
 from ._arrays import array_info, from_host_view, host_view, is_host_tensor, package_of
-from .distribution import Box
+from .distribution import Box, Slab
 from .engines.base import Engine, ReshapePlan, ReshapeSpec
 from .errors import (
     BackendUnavailableError,
@@ -129,6 +129,62 @@ def _agree(
         raise _RAISABLE.get(name, errors.CollectiveError)(f"rank {rank}: {msg}")
 
 
+def _distribution(value: Any) -> Box | Slab:
+    """A Slab as it is; a Box or a ``(lower, upper)`` pair as a Box."""
+    return value if isinstance(value, Slab) else Box.from_any(value)
+
+
+def _resolve_slabs(descs: list[dict]) -> None:
+    """Every rank's boxes for the Slab sides, worked out alike on every rank from every rank's description (it
+    raises the same :class:`DistributionError` on all of them). A Slab input infers the global shape from the
+    operands (the partition axis summed, the other extents equal); a Slab output splits the input's domain."""
+    n = len(descs)
+    for side, what in (("in", "input"), ("out", "output")):
+        slabs = [d.get(f"{side}_slab") for d in descs]
+        if any(slabs) and (not all(slabs) or len({s[0] for s in slabs}) > 1):
+            names = [repr(Slab(*s)) if s else "Box" for s in slabs]
+            raise DistributionError(f"the {what} distributions differ across ranks ({_by_rank(names)})")
+    if descs[0].get("in_slab"):
+        slab = Slab(descs[0]["in_slab"][0])
+        shapes = [d["shape"] for d in descs]
+        if len({len(sh) for sh in shapes}) > 1:
+            raise DistributionError(f"the operands differ in dimensionality across ranks ({_by_rank(shapes)})")
+        axis = slab.partition_dim
+        if axis >= len(shapes[0]):
+            raise DistributionError(f"{slab!r} splits axis {axis}; the operands are {len(shapes[0])}-D")
+        if len({sh[:axis] + sh[axis + 1:] for sh in shapes}) > 1:
+            raise DistributionError(
+                f"the operands of {slab!r} must have the same extents off axis {axis} on every rank "
+                f"({_by_rank(shapes)})"
+            )
+        whole = list(shapes[0])
+        whole[axis] = sum(sh[axis] for sh in shapes)
+        boxes = [slab.box(r, n, whole) for r in range(n)]
+        if wrong := [r for r in range(n) if boxes[r].box_shape != shapes[r]]:
+            raise DistributionError(
+                f"the operands are no {slab!r} of a global array of shape {tuple(whole)}: "
+                + "; ".join(f"rank {r} holds {shapes[r]}, its slab is {boxes[r].box_shape}" for r in wrong)
+                + f" (the first {whole[axis] % n} ranks hold one index more than the others on axis {axis})"
+            )
+        for d, b in zip(descs, boxes):
+            d["in"] = (b.lower, b.upper)
+    if descs[0].get("out_slab"):
+        slab = Slab(descs[0]["out_slab"][0])
+        ins = [Box(*d["in"]) for d in descs]
+        full = [b for b in ins if not b.is_empty]
+        if any(any(lo) for lo in (b.lower for b in full)) and bounding_box(full).lower != (0,) * ins[0].ndim:
+            raise DistributionError(
+                f"a {slab!r} output splits a global array from the origin; the input boxes start at "
+                f"{bounding_box(full).lower}"
+            )
+        whole = tuple(max(b.upper[k] for b in (full or ins)) for k in range(ins[0].ndim))
+        if slab.partition_dim >= len(whole):
+            raise DistributionError(f"{slab!r} splits axis {slab.partition_dim}; the array is {len(whole)}-D")
+        for r, d in enumerate(descs):
+            b = slab.box(r, n, whole)
+            d["out"] = (b.lower, b.upper)
+
+
 def _dtype_name(operand: Any, dtype: np.dtype) -> Any:
     """What the ranks compare for an operand's dtype: a torch dtype's own name (NumPy sees both float8 types as
     ``V1``), else the NumPy dtype's string (fields in full for structured dtypes)."""
@@ -160,8 +216,10 @@ class Reshape:
         operand: this rank's piece: a NumPy array or torch CPU tensor (any rank count, MPI or staged through the
             GPU), or a CuPy array / torch CUDA tensor on the symmetric heap (``"nvshmem"`` backend). Its shape is
             the input box's.
-        input_box: the part of the global array this rank holds (a :class:`Box` or a ``(lower, upper)`` pair).
-        output_box: the part this rank will hold after the reshape.
+        input_box: the part of the global array this rank holds (a :class:`Box` or a ``(lower, upper)`` pair), or
+            a :class:`~dask_pgas.distribution.Slab` on every rank (the global shape is then inferred from the
+            operands, and each rank's operand must have its slab's shape).
+        output_box: the part this rank will hold after the reshape (a Box, or a Slab on every rank).
         options: :class:`ReshapeOptions` or a dict of its fields; ``blocking`` must be the same on every rank.
         stream: CUDA stream (CuPy/torch stream or raw handle) for GPU operands; ignored on CPU.
 
@@ -202,6 +260,7 @@ class Reshape:
         self._name = f"{type(self).__name__}#{control.number('Reshape') + 1}"
         descs = control.allgather(desc)
         _raise_first(descs)
+        _resolve_slabs(descs)
         self._check_global(descs)
         self.options: ReshapeOptions = parsed
         self.logger = self.options.logger or _log
@@ -262,8 +321,14 @@ class Reshape:
         try:
             parsed = _options(options)
             desc["blocking"] = parsed.blocking
-            ibox, obox = Box.from_any(input_box), Box.from_any(output_box)
-            desc["in"], desc["out"] = (ibox.lower, ibox.upper), (obox.lower, obox.upper)
+            # a Box is this rank's piece; a Slab's boxes follow from every rank's operand shape (resolved after
+            # the exchange, alike on every rank)
+            ibox, obox = _distribution(input_box), _distribution(output_box)
+            for side, dist in (("in", ibox), ("out", obox)):
+                if isinstance(dist, Slab):
+                    desc[f"{side}_slab"] = (dist.partition_dim, dist.ndim)
+                else:
+                    desc[side] = (dist.lower, dist.upper)
             if desc["package"] is None:
                 raise UnsupportedOperandError(
                     f"operand must be a numpy.ndarray, cupy.ndarray or torch.Tensor, not {type(operand).__name__}"
@@ -281,9 +346,13 @@ class Reshape:
             desc["position"] = _heap_position(operand) if desc["symmetric"] else None
             if info.dtype.hasobject:
                 raise UnsupportedOperandError("object arrays cannot be reshaped across processes")
-            if ibox.ndim != obox.ndim:
-                raise DistributionError(f"input box {ibox} and output box {obox} differ in dimensionality")
-            if tuple(info.shape) != ibox.box_shape:
+            desc["shape"] = tuple(info.shape)
+            ndims = {d.ndim for d in (ibox, obox) if d.ndim is not None}
+            if len(ndims) > 1:
+                raise DistributionError(f"input {ibox} and output {obox} differ in dimensionality")
+            if ndims and len(info.shape) not in ndims:
+                raise DistributionError(f"the operand is {len(info.shape)}-D; the distributions are {ndims.pop()}-D")
+            if isinstance(ibox, Box) and tuple(info.shape) != ibox.box_shape:
                 raise DistributionError(
                     f"operand shape {tuple(info.shape)} does not match its input box {ibox} (shape {ibox.box_shape})"
                 )

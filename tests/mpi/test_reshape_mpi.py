@@ -37,7 +37,7 @@ def test_random_layouts_with_and_without_packing(pack):
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_bad_inputs_raise_the_same_error_on_every_rank(nranks):
     _, outcomes = run_cases("bad_inputs.py", nranks, timeout=180)  # hangs fail; ranks agree
-    assert len(outcomes) == 10, sorted(outcomes)
+    assert len(outcomes) == 13, sorted(outcomes)
     for name, outcome in outcomes.items():
         assert outcome["raised"] in {"DistributionError", "UnsupportedOperandError", "OperandMismatchError",
                                      "SymmetricMemoryError", "TypeError"}, (name, outcome)
@@ -65,3 +65,13 @@ def test_seed_example_runs_as_written():
     assert "[0] B:" in out and "[1] B:" in out, out
     assert len(re.findall(r"\[0\. 0\. 1\. 1\.\]", out)) == 4, out
     assert len(re.findall(r"\[[-0-9. ]+\]", out.replace("[0] B:", "").replace("[1] B:", ""))) == 4, out
+
+
+def test_slab_example_runs_as_written():
+    from pathlib import Path
+
+    example = Path(__file__).parents[2] / "examples" / "redistribute_slabs.py"
+    result = run_mpi(example, 3, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for rank, shape in enumerate([(10, 3, 3), (10, 2, 3), (10, 2, 3)]):
+        assert f"[{rank}] X slab " in result.stdout and f"-> Y slab {shape}: checked" in result.stdout, result.stdout

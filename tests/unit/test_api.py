@@ -15,7 +15,7 @@ from dask_pgas.reshape import ReshapeOptions
 
 
 def test_public_names():
-    for name in ("initialize", "finalize", "allocate_symmetric_memory", "free_symmetric_memory", "Box",
+    for name in ("initialize", "finalize", "allocate_symmetric_memory", "free_symmetric_memory", "Box", "Slab",
                  "Reshape", "ReshapeOptions", "heap_usage"):
         assert hasattr(dask_pgas, name), name
     assert callable(dask_pgas.reshape.reshape) and dask_pgas.distribution.Box is dask_pgas.Box
@@ -43,8 +43,9 @@ def test_nvmath_1_0_names():
                                                                    "sync_symmetric_memory", "options", "stream"]
     init = inspect.signature(distribution.Redistribute).parameters
     assert list(init)[:3] == ["operand", "input_distribution", "output_distribution"]
+    assert {"Box", "Slab", "Distribution", "ConvertDistributionError"} <= set(dir(distribution))
     with pytest.raises(AttributeError):
-        distribution.Slab  # noqa: B018 (not provided: a Box is the only distribution here)
+        distribution.BlockCyclic  # noqa: B018 (not provided: Box and Slab are the distributions here)
 
 
 def test_integration_names_are_listed_but_loaded_on_first_use():

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dask_pgas.distribution import Box
+from dask_pgas.distribution import Box, ConvertDistributionError, Slab
 from dask_pgas.geometry.boxes import bounding_box, tiling_error
 
 
@@ -53,6 +53,41 @@ def test_box_shape_and_to_like_nvmath():
         with pytest.raises(ValueError, match="not a valid distribution"):
             b.to(other)
     assert str(b) == "Box(lower=(0, 2), upper=(4, 6))" and repr(b) == "Box((0, 2), (4, 6))"
+
+
+def test_slab_follows_nvmath_partition_rule():
+    """nvmath's rule: the first s % P processes hold s // P + 1 indices of the partition axis, the others s // P,
+    in rank order; the other axes whole."""
+    assert [Slab.Y.box(r, 3, (4, 10)) for r in range(3)] == [
+        Box((0, 0), (4, 4)), Box((0, 4), (4, 7)), Box((0, 7), (4, 10))]
+    assert [Slab.X.box(r, 4, (2, 5)).box_shape for r in range(4)] == [(1, 5), (1, 5), (0, 5), (0, 5)]
+    assert Slab.Z.box(1, 2, (3, 1, 5)) == Box((0, 0, 3), (3, 1, 5))
+    assert [Slab(0).box(r, 5, (7,)).lower for r in range(5)] == [(0,), (2,), (4,), (5,), (6,)]
+    with pytest.raises(ValueError, match="no such axis"):
+        Slab.Z.box(0, 2, (4, 4))
+    with pytest.raises(ValueError, match="not a valid process rank"):
+        Slab.X.box(2, 2, (4,))
+
+
+def test_slab_api_like_nvmath():
+    assert (Slab.X.partition_dim, Slab.Y.partition_dim, Slab.Z.partition_dim) == (0, 1, 2)
+    assert Slab.X.ndim is None and Slab(1, ndim=3).ndim == 3 and Slab(1, 3).name == "Slab.Y"
+    assert Slab(1, ndim=3) == Slab.Y and Slab(1, 2) != Slab(1, 3) and Slab.X != Slab.Y and Slab.X != Box((0,), (1,))
+    assert str(Slab.Y) == "Slab(partition_dim=1, ndim=None)" and repr(Slab.Y) == "Slab.Y"
+    assert pickle.loads(pickle.dumps(Slab(2, 4))) == Slab(2, 4)
+    assert Slab.X.to(Slab) is Slab.X and Slab.X.to(Slab, ndim=2) == Slab(0, 2) and Slab.X.to(Slab, ndim=2).ndim == 2
+    assert Slab.X.to(Slab, copy=True) is not Slab.X
+    for bad in [(-1, None), (True, None), (2, 2), (0, 0)]:
+        with pytest.raises(ValueError):
+            Slab(*bad)
+    with pytest.raises(ConvertDistributionError):
+        Slab.X.to(Box)
+    with pytest.raises(ConvertDistributionError):
+        Box((0,), (1,)).to(Slab)
+    with pytest.raises(ValueError, match="not a valid distribution"):
+        Slab.X.to(tuple)
+    with pytest.raises(RuntimeError, match="global_shape"):
+        Slab.X.shape(0)
 
 
 @pytest.mark.parametrize(

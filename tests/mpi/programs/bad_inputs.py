@@ -11,7 +11,7 @@ import numpy as np
 from _common import COMM, RANK, SIZE, initialize, options, outcome_of, report_case, report_ok
 
 import dask_pgas
-from dask_pgas.distribution import Box
+from dask_pgas.distribution import Box, Slab
 from dask_pgas.reshape import reshape
 
 opts = options()
@@ -94,6 +94,18 @@ case("operand is not an array on one rank", lambda: reshape(
 case("box given as a malformed pair on one rank", lambda: run(
     operand(col().box_shape), ((0, 0, 0),) if RANK == 0 else col(), row()
 ))
+# Slab distributions: each rank's boxes follow from every rank's operand shape, checked alike on every rank
+case("operands do not form the slab", lambda: run(  # rank 0 holds one row too few, the last one too many
+    operand((N - 1 if RANK == 0 else N + 1 if RANK == SIZE - 1 else N, 4)), Slab.X, Slab.Y
+))
+case("Slab on some ranks, Box on others", lambda: run(
+    operand(col().box_shape), Slab.Y if RANK else col(), row()
+))
+case("Slab extents off its axis differ across ranks", lambda: run(
+    operand((4, N + 1) if RANK == 1 else (4, N)), Slab.X, row()
+))
+
+
 def mixed_memory():
     """Symmetric memory is allocated collectively; one rank then passes an array that is not on the heap."""
     sym = dask_pgas.allocate_symmetric_memory(col().box_shape, opts.package, make_symmetric=True)

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import dask_pgas
-from dask_pgas.distribution import Box
+from dask_pgas.distribution import Box, Slab
 from dask_pgas.reshape import Reshape
 
 opts = options()
@@ -181,6 +181,57 @@ def test_random_layouts(case):
     run_case(case)
 
 
+@st.composite
+def slab_cases(draw):
+    """A global shape and, for each side, a Slab of one of its axes or random boxes."""
+    ndim = draw(st.integers(1, 3))
+    limit = {1: 30, 2: 11, 3: 6}[ndim]
+    return dict(
+        shape=tuple(draw(st.lists(st.integers(0, limit), min_size=ndim, max_size=ndim))),
+        element=draw(st.sampled_from(ELEMENTS)),
+        order=draw(st.sampled_from("CF")),
+        kind=draw(st.sampled_from(KINDS)),
+        seed=draw(st.integers(0, 2**32 - 1)),
+        sides=draw(st.sampled_from([("slab", "slab"), ("slab", "box"), ("box", "slab")])),
+        axes=(draw(st.integers(0, ndim - 1)), draw(st.integers(0, ndim - 1))),
+    )
+
+
+@settings(
+    max_examples=max(opts.examples // 3, 5), derandomize=True, database=None, deadline=None,
+    phases=[Phase.generate], suppress_health_check=list(HealthCheck), print_blob=False,
+)
+@given(case=slab_cases())
+def test_slabs(case):
+    """Redistribute between Slab distributions (nvmath 1.0's Slab.X -> Slab.Y) and boxes, against NumPy: the
+    global shape is inferred from the operands on every rank."""
+    rnd = random.Random(case["seed"])
+    dtype, torch_name = case["element"]
+    glob = global_array(case["shape"], dtype, case["seed"])
+    dists, boxes = [], []
+    for kind, axis in zip(case["sides"], case["axes"]):
+        if kind == "slab":
+            slab = Slab(axis)
+            dists.append(slab)
+            boxes.append(slab.box(RANK, SIZE, case["shape"]))
+        else:
+            box = Box(*partition(case["shape"], SIZE, rnd)[RANK])
+            dists.append(box)
+            boxes.append(box)
+    local = piece(glob, boxes[0], case["order"])
+    operand = make_operand(local, case["kind"], case["order"], torch_name)
+    ok, why = True, ""
+    try:
+        result = dask_pgas.distribution.redistribute(operand, *dists)
+        if not matches(result, piece(glob, boxes[1], "C"), torch_name):
+            ok, why = False, "differs from the reference"
+        if case["kind"] == "symmetric":
+            dask_pgas.free_symmetric_memory(result, operand)
+    except Exception as exc:
+        ok, why = False, f"raised {type(exc).__name__}: {exc}"
+    assert all_ok(ok), f"rank {RANK}: {why or 'another rank failed'} in {case}, distributions {dists}"
+
+
 # fixed cases the random search might miss: the seed, a single rank owning everything, all-empty domain,
 # structs with string fields
 def fixed_cases():
@@ -305,6 +356,7 @@ if opts.package == "numpy":
 if opts.package == "torch-cpu":
     torch_cpu_rules()
 test_random_layouts()
+test_slabs()
 usage = dask_pgas.heap_usage()
 assert usage["allocations"] == 0, f"symmetric memory leaked: {usage}"
 dask_pgas.finalize()
