@@ -83,6 +83,8 @@ def _options(options: ReshapeOptions | dict | None) -> ReshapeOptions:
     raise TypeError(f"options must be a ReshapeOptions or a dict, not {type(options).__name__}")
 
 
+_NO_OPERAND: Any = object()  # no operand waits to be checked (see Reshape.reset_operand_unchecked)
+
 _FREED_OPERAND = (
     "the operand was freed with free_symmetric_memory(); its memory may belong to another allocation now"
 )
@@ -253,6 +255,7 @@ class Reshape:
         self._results: list[Any] = []
         self._freed = False
         self._released = False
+        self._pending: Any = _NO_OPERAND
         control = _control_plane()
         desc, engine, parsed = self._describe(operand, input_box, output_box, options)
         control.agree(None, "Reshape()")  # every rank is in this call, or all raise
@@ -512,14 +515,46 @@ class Reshape:
                 is copied on the host.
         """
         self._check_runtime()
-        error, local, conformed, tracked = None, None, None, None
+        error, vetted = self._freed_error(), None
+        if error is None:
+            error, vetted = self._vet(operand)
+        self._agree_call(_control_plane(), error, "reset_operand")
+        if self._symmetric and self._package != "numpy":  # known alike on every rank: all exchange, or none
+            _check_positions(_control_plane().allgather(_heap_position(operand)))
+        self._adopt(vetted)
+
+    def reset_operand_unchecked(self, operand: Any, *, stream: Any = None) -> None:
+        """:meth:`reset_operand` without its exchange (nvmath 1.0's name): local, for loops that swap operands
+        known to fit.
+
+        Unlike nvmath's, it is not unchecked altogether: the next :meth:`execute` checks the operand locally as
+        :meth:`reset_operand` does (package, dtype, shape, memory kind, layout) before its own agreement, so a
+        wrong operand raises there on every rank (and is dropped on every rank, as by :meth:`release_operand`).
+        What is skipped is the comparison of the ranks' symmetric GPU operands: they must lie at the same place
+        of the symmetric heap on every rank (the same allocation, as :func:`allocate_symmetric_memory` gives).
+
+        Args:
+            operand: the new operand.
+            stream: accepted for ``nvmath.distributed`` compatibility.
+        """
+        self._check_runtime()
+        if self._freed:  # local, and no collective waits on it: the peers' next call of this object raises too
+            raise RuntimeStateError("this Reshape was freed; create a new one")
+        if operand is None:
+            raise ValueError("reset_operand_unchecked() needs an operand; use release_operand() to release one")
+        self._source = self._operand = self._tracked = None
+        self._pending = operand
+        self._released = False
+
+    def _vet(self, operand: Any) -> tuple[tuple[type[BaseException], str] | None, tuple | None]:
+        """Local: why ``operand`` cannot replace the operand (as an error to agree on), or how it would
+        (``(operand, local view, conformed, allocation)`` for :meth:`_adopt`)."""
         try:
-            if self._freed:
-                raise RuntimeStateError("this Reshape was freed; create a new one")
             if operand is None:
                 raise ValueError(
                     "reset_operand() needs an operand; use release_operand() to release the current one"
                 )
+            tracked = None
             label = "torch (CPU)" if is_host_tensor(operand) else package_of(operand)
             if label != self._label:
                 raise UnsupportedOperandError(f"new operand must be {self._label}, like the first, not {label}")
@@ -541,14 +576,15 @@ class Reshape:
                         "new operand must " + ("" if self._symmetric else "not ")
                         + "be symmetric memory, like the first"
                     )
-            conformed = self._conform(local)
+            return None, (operand, local, self._conform(local), tracked)
         except Exception as exc:  # reported to all ranks, never raised alone
-            error = (type(exc), str(exc))
-        self._agree_call(_control_plane(), error, "reset_operand")
-        if self._symmetric and self._package != "numpy":  # known alike on every rank: all exchange, or none
-            _check_positions(_control_plane().allgather(_heap_position(operand)))
+            return (type(exc), str(exc)), None
+
+    def _adopt(self, vetted: tuple) -> None:
+        operand, local, conformed, tracked = vetted
         self._source, self._operand, self._tracked = operand, conformed, tracked
         self._copied = conformed is not local
+        self._pending = _NO_OPERAND
         self._released = False
 
     def release_operand(self) -> None:
@@ -563,6 +599,7 @@ class Reshape:
             return
         self._source = self._operand = None
         self._tracked = None
+        self._pending = _NO_OPERAND
         self._released = True
 
     def execute(self, stream: Any = None, release_workspace: bool = False, sync_symmetric_memory: bool = True) -> Any:
@@ -575,7 +612,7 @@ class Reshape:
             sync_symmetric_memory: synchronize symmetric memory across ranks before the reshape (GPU engine).
         """
         self._check_runtime()
-        error = self._freed_error()
+        error, vetted = self._freed_error(), None
         if error is None:
             if self._plan is None:
                 error = (RuntimeStateError, "call plan() before execute()")
@@ -584,12 +621,16 @@ class Reshape:
                     RuntimeStateError,
                     "execute() cannot run after release_operand(); give a new operand with reset_operand() first",
                 )
+            elif self._pending is not _NO_OPERAND:  # reset_operand_unchecked: checked here, as reset_operand does
+                error, vetted = self._vet(self._pending)
             elif self._tracked is not None and not _is_live(self._tracked):
                 error = (SymmetricMemoryError, _FREED_OPERAND + ": give a live one with reset_operand()")
             elif (why := self._operand_mismatch()) is not None:
                 error = (OperandMismatchError, why)
         local = self._source  # what the engine moves this time (refreshes a conforming copy)
-        if error is None and self._host_tensor:
+        if vetted is not None:
+            local = vetted[1]
+        elif error is None and self._host_tensor:
             try:  # a fresh view of the tensor (set_ may have given it other storage)
                 local = self._local(self._source)
             except Exception as exc:
@@ -609,7 +650,14 @@ class Reshape:
                     result = self._engine.empty(shape, self._spec.dtype, self._package, order)
             except Exception as exc:
                 error = (type(exc), str(exc))
-        self._agree_call(_control_plane(), error, "execute", sync)
+        try:
+            self._agree_call(_control_plane(), error, "execute", sync)
+        except BaseException:
+            if self._pending is not _NO_OPERAND:  # an unchecked reset that did not pass: dropped (see there)
+                self.release_operand()
+            raise
+        if vetted is not None:
+            self._adopt(vetted)
         if self._copied:
             np.copyto(self._operand, local)  # refresh the conforming copy: in-place updates count
         else:
@@ -674,6 +722,7 @@ class Reshape:
         self._results = []
         self._source = self._operand = None
         self._tracked = None
+        self._pending = _NO_OPERAND
         if self._freed:
             return
         self._freed = True

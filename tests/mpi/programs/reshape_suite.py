@@ -350,7 +350,55 @@ def torch_cpu_rules():
     assert all_ok(not failed), f"rank {RANK}: {failed or 'another rank failed'}"
 
 
+def unchecked_resets():
+    """``reset_operand_unchecked`` (nvmath 1.0), every package: a fitting operand is used by the next execute();
+    one that does not fit on one rank makes that execute raise on every rank and drops the operand everywhere,
+    and a checked reset then works again."""
+    from dask_pgas.errors import OperandMismatchError, RuntimeStateError
+
+    shape, dtype = (9, 6), np.dtype("float64")
+    rnd = random.Random(3)
+    ins, outs = partition(shape, SIZE, rnd), partition(shape, SIZE, rnd)
+    my_in, my_out = Box(*ins[RANK]), Box(*outs[RANK])
+    globs = [global_array(shape, dtype, seed) for seed in (1, 2, 3)]
+    operands = [make_operand(piece(g, my_in, "C"), KINDS[0], "C") for g in globs]
+    symmetric = KINDS[0] == "symmetric"
+    wrong = make_operand(np.zeros((my_in.box_shape[0] + 1, *my_in.box_shape[1:])), "plain", "C") if RANK == 0 \
+        else operands[2]
+    checks, results = {}, []
+
+    def outcome(fn):
+        try:
+            fn()
+            return "none"
+        except Exception as exc:
+            return type(exc).__name__
+
+    with Reshape(operands[0], my_in, my_out) as r:
+        r.plan()
+        results.append(r.execute())
+        r.reset_operand_unchecked(operands[1])
+        results.append(r.execute())
+        checks["unchecked reset used"] = matches(results[-1], piece(globs[1], my_out, "C"))
+        if not symmetric:  # (a host array off the heap: with a symmetric plan that is a memory-kind error too)
+            r.reset_operand_unchecked(wrong)
+            checks["a wrong operand raises at execute"] = outcome(r.execute) == OperandMismatchError.__name__
+            checks["and is dropped everywhere"] = outcome(r.execute) == RuntimeStateError.__name__
+        r.reset_operand(operands[2])
+        results.append(r.execute())
+        checks["checked reset after"] = matches(results[-1], piece(globs[2], my_out, "C"))
+    r2 = Reshape(operands[0], my_in, my_out)
+    r2.free()
+    checks["unchecked reset after free raises here"] = outcome(lambda: r2.reset_operand_unchecked(operands[1])) \
+        == RuntimeStateError.__name__
+    if symmetric:
+        dask_pgas.free_symmetric_memory(*results, *operands)
+    failed = [name for name, ok in checks.items() if not ok]
+    assert all_ok(not failed), f"rank {RANK}: {failed or 'another rank failed'}"
+
+
 fixed_cases()
+unchecked_resets()
 if opts.package == "numpy":
     nvmath_names()
 if opts.package == "torch-cpu":
