@@ -174,10 +174,9 @@ def _resolve_slabs(descs: list[dict]) -> None:
         slab = Slab(descs[0]["out_slab"][0])
         ins = [Box(*d["in"]) for d in descs]
         full = [b for b in ins if not b.is_empty]
-        if any(any(lo) for lo in (b.lower for b in full)) and bounding_box(full).lower != (0,) * ins[0].ndim:
+        if full and (start := bounding_box(full).lower) != (0,) * len(start):
             raise DistributionError(
-                f"a {slab!r} output splits a global array from the origin; the input boxes start at "
-                f"{bounding_box(full).lower}"
+                f"a {slab!r} output splits a global array from the origin; the input boxes start at {start}"
             )
         whole = tuple(max(b.upper[k] for b in (full or ins)) for k in range(ins[0].ndim))
         if slab.partition_dim >= len(whole):
@@ -529,7 +528,8 @@ class Reshape:
 
         Unlike nvmath's, it is not unchecked altogether: the next :meth:`execute` checks the operand locally as
         :meth:`reset_operand` does (package, dtype, shape, memory kind, layout) before its own agreement, so a
-        wrong operand raises there on every rank (and is dropped on every rank, as by :meth:`release_operand`).
+        wrong operand raises there on every rank. An ``execute()`` that raises drops an operand given this way
+        (as :meth:`release_operand` does), so the next one raises until :meth:`reset_operand` gives another.
         What is skipped is the comparison of the ranks' symmetric GPU operands: they must lie at the same place
         of the symmetric heap on every rank (the same allocation, as :func:`allocate_symmetric_memory` gives).
 

@@ -101,6 +101,9 @@ case("operands do not form the slab", lambda: run(  # rank 0 holds one row too f
 case("Slab on some ranks, Box on others", lambda: run(
     operand(col().box_shape), Slab.Y if RANK else col(), row()
 ))
+case("Slab output over boxes away from the origin", lambda: run(
+    operand(row().box_shape), Box((4 * RANK + 1, 0), (4 * RANK + 5, N)), Slab.Y
+))
 case("Slab extents off its axis differ across ranks", lambda: run(
     operand((4, N + 1) if RANK == 1 else (4, N)), Slab.X, row()
 ))
