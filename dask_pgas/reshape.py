@@ -1,7 +1,8 @@
 """Distributed reshape: change which rank holds which box of a global array.
 
 Mirrors ``nvmath.distributed.reshape``: a stateful :class:`Reshape` (plan once, execute many times, free) and
-the function form :func:`reshape`. Every rank passes its own operand and its own input and output boxes.
+the function form :func:`reshape`. Every rank passes its own operand and its own input and output boxes (or
+a :class:`~dask_pgas.distribution.Slab` on every rank, whose boxes follow from the operands' shapes).
 nvmath 1.0 renamed them ``nvmath.distributed.distribution.Redistribute`` / ``redistribute`` /
 ``RedistributeOptions``: those names are here too (also importable from :mod:`dask_pgas.distribution`).
 
