@@ -10,6 +10,7 @@ against them; dask_pgas itself does not use them.
 
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from enum import IntEnum
@@ -60,7 +61,7 @@ class MPIProcessGroup(ProcessGroup):
     """The processes of an mpi4py communicator (``nvmath.distributed.MPIProcessGroup``)."""
 
     def __init__(self, mpi_comm: Any) -> None:
-        if not (hasattr(mpi_comm, "Get_rank") and hasattr(mpi_comm, "Allreduce")):
+        if not _is_communicator(mpi_comm):
             raise TypeError(f"MPIProcessGroup needs an mpi4py communicator, not {type(mpi_comm).__name__}")
         self._comm = mpi_comm
 
@@ -93,11 +94,17 @@ class MPIProcessGroup(ProcessGroup):
         return f"MPIProcessGroup(rank={self.rank}, nranks={self.nranks})"
 
 
+def _is_communicator(obj: Any) -> bool:
+    """Whether ``obj`` is an mpi4py communicator (whoever made one has imported ``mpi4py.MPI``: no import here)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi is not None and isinstance(obj, mpi.Comm)
+
+
 def communicator_of(group: Any) -> Any:
     """The mpi4py communicator behind ``group`` (an :class:`MPIProcessGroup` or a communicator itself)."""
     if isinstance(group, MPIProcessGroup):
         return group.communicator
-    if isinstance(group, ProcessGroup) or not (hasattr(group, "Get_rank") and hasattr(group, "Allgather")):
+    if not _is_communicator(group):
         raise TypeError(
             f"dask_pgas runs on MPI process groups only, not on a {type(group).__name__}: every rank must pass "
             "dask_pgas.MPIProcessGroup(comm) or an mpi4py communicator"
