@@ -31,11 +31,10 @@ PLUGIN_NAME = "dask-pgas"
 
 
 class _Run:
-    def __init__(self, name: str, seq: int, timeout: float | None = None) -> None:
+    def __init__(self, name: str, seq: int, timeout: float) -> None:
         self.name = name
         self.seq = seq
-        #: its watchdog's, read once when it is numbered (config ``pgas.collective-timeout`` by default)
-        self.timeout = setting("collective-timeout") if timeout is None else timeout
+        self.timeout = timeout  # its watchdog's (config pgas.collective-timeout, read once when it is numbered)
         loop = asyncio.get_running_loop()
         self.failed: asyncio.Future = loop.create_future()
         self.ended: asyncio.Future = loop.create_future()  # its collective has ended on every member (or failed)

@@ -72,7 +72,7 @@ def test_closed_connection_during_a_run_reads_as_a_lost_member():
     async def main():
         plugin = _plugin()
         plugin.scheduler.rpc = _Rpc
-        run = _Run("pgas-rechunk-abc", 0)
+        run = _Run("pgas-rechunk-abc", 0, 120.0)  # (the watchdog timeout pgas.collective-timeout gives)
         return plugin, await asyncio.wait_for(plugin._collective(run, 1), 5)
 
     plugin, result = asyncio.run(main())
