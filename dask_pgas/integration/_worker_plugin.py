@@ -235,7 +235,6 @@ class PGASWorkerPlugin(WorkerPlugin):
         self._buffers: dict[str, Any] = {}
         self._scratch_buf = None
         self._plans: OrderedDict = OrderedDict()
-        self._cfg: dict[str, Any] = {}  # the pgas.* values of the current run (read once, before its agreement)
         memory = getattr(worker, "memory_manager", None)
         self._pool = _OutputPool(getattr(memory, "memory_limit", None))
         loop = getattr(worker, "periodic_callbacks", None)
@@ -563,14 +562,14 @@ class PGASWorkerPlugin(WorkerPlugin):
         self.epoch = None
         self.pe = None
 
-    def _buffer(self, kind: str, nbytes: int, package: str) -> Any:
-        """Symmetric byte buffer of at least ``nbytes`` (collective when it grows: same decision everywhere)."""
+    def _buffer(self, kind: str, nbytes: int, package: str, growth: float) -> Any:
+        """Symmetric byte buffer of at least ``nbytes``, at least ``growth`` times the current one when it grows
+        (collective then: same decision everywhere)."""
         from ..memory import allocate_symmetric_memory, free_symmetric_memory
 
         current = self._buffers.get(kind)
         if current is not None and current.nbytes >= nbytes:
             return current
-        growth = self._cfg.get("buffer-growth") or setting("buffer-growth")  # (the run's; the config outside one)
         size = max(nbytes, int((current.nbytes if current is not None else 0) * growth), 1)
         if current is not None:
             del self._buffers[kind]
@@ -611,7 +610,8 @@ class PGASWorkerPlugin(WorkerPlugin):
             self._scratch_buf = np.empty(nbytes, np.uint8)
         return self._scratch_buf
 
-    def _plan(self, engine, spec: RunSpec):
+    def _plan(self, engine, spec: RunSpec, cache_size: int):
+        """The engine's plan for ``spec``, cached (at most ``cache_size`` plans, least recently used out)."""
         from ..engines.base import ReshapeSpec
 
         key = (engine.name, *spec.plan_key)
@@ -623,8 +623,7 @@ class PGASWorkerPlugin(WorkerPlugin):
             ReshapeSpec(spec.input_boxes, spec.output_boxes, spec.dtype, "C", self.pe)
         )
         self._plans[key] = plan
-        limit = self._cfg.get("plan-cache-size") or setting("plan-cache-size")  # (the run's; the config outside one)
-        while len(self._plans) > limit:  # same sequence of runs everywhere -> same evictions
+        while len(self._plans) > cache_size:  # same sequence of runs everywhere -> same evictions
             _, old = self._plans.popitem(last=False)
             old.free()
         return plan
@@ -662,7 +661,7 @@ class PGASWorkerPlugin(WorkerPlugin):
             raise PGASWorldError(self.broken)
         engines = [runtime.get_engine(b) for b in runtime.initialized_backends()]
         control = engines[0].control
-        local_error = None
+        local_error, cfg = None, {}
         if dropped:
             local_error = f"{name} was released (cancelled) before its collective ran on PE {self.pe}"
         elif staged is None:
@@ -670,7 +669,7 @@ class PGASWorkerPlugin(WorkerPlugin):
         else:
             try:  # this worker's config for the run, read once and checked before the first agreement (a PE
                 # whose value is bad must not raise after it)
-                self._cfg = {key: setting(key) for key in _RUN_KEYS}
+                cfg = {key: setting(key) for key in _RUN_KEYS}
             except ValueError as exc:
                 local_error = f"{exc} (on {self.worker.address})"
         # Symmetric buffers grow collectively from the spec, so with such an engine in the world every rank
@@ -682,12 +681,12 @@ class PGASWorkerPlugin(WorkerPlugin):
                 raise _RunError("; ".join(f"PE {r}: {e}" for r, e in errors))
             try:  # plans are freed collectively there, and buffers grow collectively: the PEs' values must agree
                 # (the output pool and the output tasks' backstop are local: those may differ)
-                control.agree(None, same=("pgas config", (self._cfg["plan-cache-size"], self._cfg["buffer-growth"])))
+                control.agree(None, same=("pgas config", (cfg["plan-cache-size"], cfg["buffer-growth"])))
             except CollectiveMismatchError as exc:
                 raise _RunError(f"the workers' pgas.* config differs ({exc}); give every worker the same "
                                 "values") from exc
             try:
-                buffers = self._grow_buffers(staged[0])
+                buffers = self._grow_buffers(staged[0], cfg["buffer-growth"])
             except (MemoryError, SymmetricMemoryError, CollectiveError) as exc:
                 # Sized from the agreed spec, on heaps of one size with one allocation history (every
                 # allocation is collective, and the engine agrees on the GPUs' free memory before it grows the
@@ -703,7 +702,7 @@ class PGASWorkerPlugin(WorkerPlugin):
             # Local work: a failure here (a chunk of the wrong dtype, no memory) is agreed on below, so no PE
             # enters the collective while another has given up.
             try:
-                plan, src, dst = self._prepare(*staged, buffers)
+                plan, src, dst = self._prepare(*staged, buffers, cfg["plan-cache-size"])
             except Exception as exc:
                 local_error = f"{type(exc).__name__}: {exc}"
         if errors := control.agree(local_error):
@@ -727,9 +726,9 @@ class PGASWorkerPlugin(WorkerPlugin):
         self.collective_seconds += dt
         return {"pe": self.pe, "seconds": dt}, result
 
-    def _grow_buffers(self, spec: RunSpec) -> tuple[Any, Any] | None:
-        """The symmetric staging buffers for ``spec`` (grown collectively, same sizes everywhere), or None
-        when its engine takes operands off the heap."""
+    def _grow_buffers(self, spec: RunSpec, growth: float) -> tuple[Any, Any] | None:
+        """The symmetric staging buffers for ``spec`` (grown collectively by at least ``growth``, same sizes
+        everywhere), or None when its engine takes operands off the heap."""
         import numpy as np
 
         from .. import runtime
@@ -738,10 +737,11 @@ class PGASWorkerPlugin(WorkerPlugin):
         if not engine.requires_symmetric_operands:
             return None
         item = np.dtype(spec.dtype).itemsize
-        return (self._buffer("in", max(b.size for b in spec.input_boxes) * item, engine.packages[0]),
-                self._buffer("out", max(b.size for b in spec.output_boxes) * item, engine.packages[0]))
+        return (self._buffer("in", max(b.size for b in spec.input_boxes) * item, engine.packages[0], growth),
+                self._buffer("out", max(b.size for b in spec.output_boxes) * item, engine.packages[0], growth))
 
-    def _prepare(self, spec: RunSpec, pieces: tuple, arrays: tuple, buffers: tuple | None) -> tuple[Any, Any, Any]:
+    def _prepare(self, spec: RunSpec, pieces: tuple, arrays: tuple, buffers: tuple | None,
+                 cache_size: int) -> tuple[Any, Any, Any]:
         """Local: this PE's plan, its input box packed from its chunk pieces (zero copy when one C-contiguous
         chunk is the box) and its output box, in the symmetric ``buffers`` if given."""
         import numpy as np
@@ -754,7 +754,7 @@ class PGASWorkerPlugin(WorkerPlugin):
         dtype = np.dtype(spec.dtype)
         in_box = spec.input_boxes[self.pe]
         out_box = spec.output_boxes[self.pe]
-        plan = self._plan(engine, spec)  # MPI plans are built locally: their failures are agreed on too
+        plan = self._plan(engine, spec, cache_size)  # MPI plans are built locally: their failures are agreed on too
         src = None
         if buffers is None and len(pieces) == 1:
             chunk_slices, box_slices = pieces[0]

@@ -582,7 +582,7 @@ def plugin_run(grown_before, device=False):
     (or one rank's GPU is short): every PE raises the non-fatal run error, the world stays usable, nothing leaks."""
     with stand_in_plugin() as plugin:
         if grown_before:
-            plugin._grow_buffers(run_spec("float32"))  # half the bytes of the run below
+            plugin._grow_buffers(run_spec("float32"), 1.25)  # half the bytes of the run below
         if device:  # the heap has room but the last rank's GPU has not
             DRV.free = 1 << 20 if RANK == LAST else FakeDriver.free
         else:
