@@ -187,6 +187,12 @@ def _resolve_slabs(descs: list[dict]) -> None:
             d["out"] = (b.lower, b.upper)
 
 
+def _kind(operand: Any) -> str | None:
+    """What the ranks compare for an operand's package: ``numpy``, ``cupy``, ``torch`` (on the GPU) or
+    ``torch (CPU)`` (moved as its NumPy view); None for no array."""
+    return "torch (CPU)" if is_host_tensor(operand) else package_of(operand)
+
+
 def _dtype_name(operand: Any, dtype: np.dtype) -> Any:
     """What the ranks compare for an operand's dtype: a torch dtype's own name (NumPy sees both float8 types as
     ``V1``), else the NumPy dtype's string (fields in full for structured dtypes)."""
@@ -315,11 +321,9 @@ class Reshape:
     def _describe(
         operand: Any, input_box: Any, output_box: Any, options: Any = None
     ) -> tuple[dict, Engine | None, ReshapeOptions | None]:
-        host_tensor = is_host_tensor(operand)
-        desc: dict[str, Any] = {
-            "error": None, "in": None, "out": None, "host_tensor": host_tensor,
-            "package": "torch (CPU)" if host_tensor else package_of(operand),
-        }
+        kind = _kind(operand)
+        host_tensor = kind == "torch (CPU)"
+        desc: dict[str, Any] = {"error": None, "in": None, "out": None, "host_tensor": host_tensor, "package": kind}
         engine, parsed = None, None
         try:
             parsed = _options(options)
@@ -556,9 +560,8 @@ class Reshape:
                     "reset_operand() needs an operand; use release_operand() to release the current one"
                 )
             tracked = None
-            label = "torch (CPU)" if is_host_tensor(operand) else package_of(operand)
-            if label != self._label:
-                raise UnsupportedOperandError(f"new operand must be {self._label}, like the first, not {label}")
+            if (kind := _kind(operand)) != self._label:
+                raise UnsupportedOperandError(f"new operand must be {self._label}, like the first, not {kind}")
             if _was_freed(operand):  # its memory may belong to another allocation now
                 raise SymmetricMemoryError(_FREED_OPERAND + ": pass a live array")
             local = self._local(operand)
@@ -629,9 +632,7 @@ class Reshape:
             elif (why := self._operand_mismatch()) is not None:
                 error = (OperandMismatchError, why)
         local = self._source  # what the engine moves this time (refreshes a conforming copy)
-        if vetted is not None:
-            local = vetted[1]
-        elif error is None and self._host_tensor:
+        if error is None and vetted is None and self._host_tensor:
             try:  # a fresh view of the tensor (set_ may have given it other storage)
                 local = self._local(self._source)
             except Exception as exc:
@@ -658,8 +659,8 @@ class Reshape:
                 self.release_operand()
             raise
         if vetted is not None:
-            self._adopt(vetted)
-        if self._copied:
+            self._adopt(vetted)  # (its conforming copy, if any, was made from the operand just now)
+        elif self._copied:
             np.copyto(self._operand, local)  # refresh the conforming copy: in-place updates count
         else:
             self._operand = local
