@@ -36,17 +36,17 @@ def _coords(values: Iterable[int], name: str) -> tuple[int, ...]:
     try:
         out = tuple(operator.index(v) for v in values)
     except TypeError as exc:  # a ValueError, as nvmath raises for coordinates that are not integers
-        raise ValueError(f"Box {name} must be a sequence of integers, got {values!r}") from exc
+        raise ValueError(f"{name} must be a sequence of integers, got {values!r}") from exc
     return out
 
 
-def _nranks_and_rank() -> tuple[int, int]:
+def _nranks() -> int:
     from .runtime import get_context  # (imports no MPI or CUDA)
 
     ctx = get_context()
     if ctx is None:
         raise RuntimeError("dask_pgas is not initialized: call dask_pgas.initialize() first")
-    return ctx.nranks, ctx.rank
+    return ctx.nranks
 
 
 def _check_rank(rank: int, nranks: int | None) -> None:
@@ -92,7 +92,7 @@ class Box(Distribution):
     __slots__ = ("_lower", "_upper")
 
     def __init__(self, lower: Sequence[int], upper: Sequence[int]) -> None:
-        lo, up = _coords(lower, "lower"), _coords(upper, "upper")
+        lo, up = _coords(lower, "Box lower"), _coords(upper, "Box upper")
         if len(lo) != len(up):
             raise ValueError(f"Box lower {lo} and upper {up} have different lengths")
         if len(lo) == 0:
@@ -285,7 +285,7 @@ class Slab(Distribution):
         number of processes)."""
         if global_shape is None:
             raise RuntimeError(f"{self} is not bound to a global shape: pass global_shape")
-        nranks, _ = _nranks_and_rank()
+        nranks = _nranks()
         return self.box(rank, nranks, global_shape).box_shape
 
     def to(self, cls: type, /, *, ndim: int | None = None, copy: bool = False) -> Slab:
