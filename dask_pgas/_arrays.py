@@ -59,8 +59,9 @@ def is_host_tensor(obj: Any) -> bool:
     return torch is not None and isinstance(obj, torch.Tensor) and obj.device.type == "cpu"
 
 
-# integer types of each element size: the view through which torch and NumPy share elements NumPy has no type for
-_TORCH_INTS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+#: torch integer types by element size: the view through which torch and NumPy share elements NumPy has no type
+#: for, and raw words of any element type
+TORCH_INTS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 
 def host_view(tensor: Any) -> np.ndarray:
@@ -72,7 +73,7 @@ def host_view(tensor: Any) -> np.ndarray:
     dtype = to_numpy_dtype(t.dtype)
     if dtype.kind != "V":
         return t.numpy()
-    return t.view(getattr(torch, _TORCH_INTS[dtype.itemsize])).numpy().view(dtype)
+    return t.view(getattr(torch, TORCH_INTS[dtype.itemsize])).numpy().view(dtype)
 
 
 def from_host_view(array: np.ndarray, dtype: Any) -> Any:
@@ -81,7 +82,7 @@ def from_host_view(array: np.ndarray, dtype: Any) -> Any:
     torch = sys.modules["torch"]
     if array.dtype.kind != "V":
         return torch.from_numpy(array)
-    return torch.from_numpy(array.view(_TORCH_INTS[array.dtype.itemsize])).view(dtype)
+    return torch.from_numpy(array.view(TORCH_INTS[array.dtype.itemsize])).view(dtype)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .._arrays import TORCH_INTS
 from ..distribution import Box
 from ..errors import BackendUnavailableError, CollectiveError, RuntimeStateError, UnsupportedOperandError
 from .base import Allocation, ControlPlane, Engine, ReshapePlan, ReshapeSpec
@@ -251,7 +252,7 @@ def _word_view(ptr: int, shape: Sequence[int], itemsize: int, device: int, owner
     import torch
 
     t = torch.as_tensor(_CAI(ptr, nbytes, owner), device=f"cuda:{device}")
-    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]).view(full)
+    return t.view(getattr(torch, TORCH_INTS[word])).view(full)
 
 
 class _StreamContext:
