@@ -398,13 +398,14 @@ def heap_usage(backend: str | None = None) -> dict[str, int]:
     ``initialize`` and after ``finalize`` too (then everything is zero)."""
     from .runtime import _engines as engines
 
-    with _lock:
-        recs = [r for r in _live.values() if backend is None or r.engine.name == backend]
-        out = {
-            "allocations": len(recs),
-            "bytes": sum(r.allocation.nbytes for r in recs),
-            "collected_unfreed": sum(r.collected for r in recs),
-        }
+    # A snapshot without _lock: allocate and free hold it across their agreements, which wait for the other
+    # ranks, and this local call (a Dask worker's info handler, on its event loop) must not wait with them.
+    recs = [r for r in list(_live.values()) if backend is None or r.engine.name == backend]
+    out = {
+        "allocations": len(recs),
+        "bytes": sum(r.allocation.nbytes for r in recs),
+        "collected_unfreed": sum(r.collected for r in recs),
+    }
     if backend is not None and backend in engines:
         out.update(engines[backend].heap_info())
     return out

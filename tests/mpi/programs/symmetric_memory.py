@@ -154,6 +154,32 @@ if SIZE > 1:
     case("ranks free different allocations", different_allocations, "SymmetricMemoryError")
 
 
+def heap_usage_while_a_peer_is_late():
+    """heap_usage() is local: it answers while this rank's allocation waits for a late peer (a Dask worker
+    asks it on its event loop while its collective thread allocates)."""
+    import threading
+    import time
+
+    held, took, usage = [], 0.0, {"allocations": 0}
+    if RANK == 0:
+        time.sleep(1.5)
+        held.append(dask_pgas.allocate_symmetric_memory((4,), PKG))
+    else:
+        thread = threading.Thread(target=lambda: held.append(dask_pgas.allocate_symmetric_memory((4,), PKG)))
+        thread.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        usage = dask_pgas.heap_usage()
+        took = time.monotonic() - t0
+        thread.join()
+    dask_pgas.free_symmetric_memory(*held)  # (on every rank before any check can raise)
+    assert took < 0.5 and usage["allocations"] == 0, f"heap_usage() waited {took:.2f}s and saw {usage}"
+
+
+if SIZE > 1 and opts.backend == "mpi":  # (the allocating thread would need the GPU context on nvshmem)
+    case("heap_usage does not wait for a collective in flight", heap_usage_while_a_peer_is_late)
+
+
 def leak_reported():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -196,10 +222,6 @@ gc.collect()  # (the view is gone: its allocation was garbage collected unfreed,
 dask_pgas.finalize()  # frees the leaked allocations collectively
 case("finalize freed what was left", lambda: _assert_empty())
 initialize(opts)
-
-
-
-
 case("heap empty after re-initialize", _assert_empty)
 dask_pgas.finalize()
 dask_pgas.finalize()  # idempotent
