@@ -99,15 +99,14 @@ class _CollectiveThread:
 
 
 class _Lease:
-    """Exposes a pooled block as an array (``np.asarray(lease)`` keeps the lease as ``base`` of every view)."""
+    """Exposes a pooled block's bytes (``np.asarray(lease)`` keeps the lease as ``base`` of every view)."""
 
     __slots__ = ("__array_interface__", "__weakref__")
 
-    def __init__(self, raw, shape, dtype) -> None:
+    def __init__(self, raw) -> None:
         self.__array_interface__ = {
-            "shape": tuple(shape),
-            "typestr": dtype.str,
-            "descr": dtype.descr,
+            "shape": (raw.nbytes,),
+            "typestr": "|u1",
             "data": (raw.ctypes.data, False),
             "strides": None,
             "version": 3,
@@ -155,8 +154,10 @@ class _OutputPool:
                 self.idle -= nbytes
         if raw is None:
             raw = np.empty(nbytes, np.uint8)
-        lease = _Lease(raw, shape, dtype)
-        out = np.asarray(lease)
+        # the lease is bytes, viewed as the dtype: an array interface's ``descr`` cannot carry a struct's
+        # padding or field offsets (an aligned struct, or Dask's own x[["a", "c"]], would come back another dtype)
+        lease = _Lease(raw)
+        out = np.asarray(lease).view(dtype).reshape(shape)
         import weakref
 
         weakref.finalize(lease, self._release, raw, limit)
@@ -353,7 +354,8 @@ class PGASWorkerPlugin(WorkerPlugin):
 
     # ---------------------------------------------------------------- handlers (event loop)
     def heap_bytes(self) -> int:
-        return sum(int(b.nbytes) for b in self._buffers.values())
+        # (a copy first: the collective thread may grow the buffers meanwhile)
+        return sum(int(b.nbytes) for b in list(self._buffers.values()))
 
     async def _h_info(self) -> dict:
         from .. import runtime
@@ -426,7 +428,8 @@ class PGASWorkerPlugin(WorkerPlugin):
             if previous is not None and previous != seq and (left := self._done.get(previous)) is not None \
                     and left.done():
                 del self._done[previous]
-            self._run_of[name] = seq
+            if seq not in self._dropped:  # (a forget that overtook this start has nothing left to remove)
+                self._run_of[name] = seq
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._pending[seq] = (name, fut)
         while self._next_seq in self._pending:  # submit in the global order, whatever the arrival order
@@ -605,28 +608,36 @@ class PGASWorkerPlugin(WorkerPlugin):
         """Local (not symmetric) packing memory for engines whose operands need not be on the heap."""
         import numpy as np
 
-        if self._scratch_buf is None or self._scratch_buf.nbytes < nbytes:
+        buf = self._scratch_buf  # (read once: _trim may drop it from the event loop meanwhile)
+        if buf is None or buf.nbytes < nbytes:
             self._scratch_buf = None
-            self._scratch_buf = np.empty(nbytes, np.uint8)
-        return self._scratch_buf
+            self._scratch_buf = buf = np.empty(nbytes, np.uint8)
+        return buf
 
-    def _plan(self, engine, spec: RunSpec, cache_size: int):
-        """The engine's plan for ``spec``, cached (at most ``cache_size`` plans, least recently used out)."""
+    def _plan(self, engine, spec: RunSpec) -> tuple[tuple, Any, bool]:
+        """``(key, plan, new)``: the engine's plan for ``spec``, from the cache or new. A new plan enters the cache
+        only in :meth:`_keep`, once the run's agreement has passed."""
         from ..engines.base import ReshapeSpec
 
         key = (engine.name, *spec.plan_key)
         plan = self._plans.get(key)
         if plan is not None:
-            self._plans.move_to_end(key)
-            return plan
+            return key, plan, False
         plan = engine.plan_reshape(
             ReshapeSpec(spec.input_boxes, spec.output_boxes, spec.dtype, "C", self.pe)
         )
+        return key, plan, True
+
+    def _keep(self, key: tuple, plan: Any, cache_size: int) -> None:
+        """After the run's agreement: ``plan`` is the most recently used, and the least recently used beyond
+        ``cache_size`` are freed. Only runs that passed their agreement touch the cache, so every PE holds the same
+        plans in the same order and evicts the same ones at the same run (an NVSHMEM plan's free is collective;
+        an MPI plan is built locally and may fail on one PE only)."""
         self._plans[key] = plan
-        while len(self._plans) > cache_size:  # same sequence of runs everywhere -> same evictions
+        self._plans.move_to_end(key)
+        while len(self._plans) > cache_size:
             _, old = self._plans.popitem(last=False)
             old.free()
-        return plan
 
     def _run_and_signal(self, name: str, seq: int) -> dict:
         self._current = (seq, time.monotonic())
@@ -697,16 +708,21 @@ class PGASWorkerPlugin(WorkerPlugin):
                     "before they start) or more free GPU memory"
                 ) from exc
         t0 = time.perf_counter()
-        plan = src = dst = None
+        key = plan = src = dst = None
+        new = False
         if local_error is None:
             # Local work: a failure here (a chunk of the wrong dtype, no memory) is agreed on below, so no PE
             # enters the collective while another has given up.
             try:
-                plan, src, dst = self._prepare(*staged, buffers, cfg["plan-cache-size"])
+                key, plan, new = self._plan(runtime.engine_for_package(staged[0].package), staged[0])
+                src, dst = self._prepare(*staged, buffers)
             except Exception as exc:
                 local_error = f"{type(exc).__name__}: {exc}"
         if errors := control.agree(local_error):
+            if new:  # never cached. Every PE has built it (an NVSHMEM plan is built collectively, or fails on
+                plan.free()  # every PE), so a collective free is met everywhere; an MPI plan's free is local
             raise _RunError("; ".join(f"PE {r}: {e}" for r, e in errors))
+        self._keep(key, plan, cfg["plan-cache-size"])
         # -- the one collective
         t1 = time.perf_counter()
         plan.execute(src, dst)
@@ -740,10 +756,10 @@ class PGASWorkerPlugin(WorkerPlugin):
         return (self._buffer("in", max(b.size for b in spec.input_boxes) * item, engine.packages[0], growth),
                 self._buffer("out", max(b.size for b in spec.output_boxes) * item, engine.packages[0], growth))
 
-    def _prepare(self, spec: RunSpec, pieces: tuple, arrays: tuple, buffers: tuple | None,
-                 cache_size: int) -> tuple[Any, Any, Any]:
-        """Local: this PE's plan, its input box packed from its chunk pieces (zero copy when one C-contiguous
-        chunk is the box) and its output box, in the symmetric ``buffers`` if given."""
+    def _prepare(self, spec: RunSpec, pieces: tuple, arrays: tuple, buffers: tuple | None) -> tuple[Any, Any]:
+        """Local: this PE's input box packed from its chunk pieces (zero copy when one C-contiguous chunk is the
+        box) and its output box, in the symmetric ``buffers`` if given; both checked against the plan's boxes
+        and dtype, so that the engine's own check cannot fail after the run's agreement."""
         import numpy as np
 
         from .. import runtime
@@ -754,7 +770,6 @@ class PGASWorkerPlugin(WorkerPlugin):
         dtype = np.dtype(spec.dtype)
         in_box = spec.input_boxes[self.pe]
         out_box = spec.output_boxes[self.pe]
-        plan = self._plan(engine, spec, cache_size)  # MPI plans are built locally: their failures are agreed on too
         src = None
         if buffers is None and len(pieces) == 1:
             chunk_slices, box_slices = pieces[0]
@@ -772,7 +787,11 @@ class PGASWorkerPlugin(WorkerPlugin):
         else:
             dst = (self._pool.empty(out_box.box_shape, dtype) if spec.package == "numpy"
                    else engine.empty(out_box.box_shape, dtype, spec.package))
-        return plan, src, dst
+        for what, array, box in (("input", src, in_box), ("output", dst, out_box)):
+            if tuple(array.shape) != box.box_shape or array.dtype != dtype:
+                raise ValueError(f"PE {self.pe}'s {what} box came out as {tuple(array.shape)} {array.dtype}; the "
+                                 f"plan needs {box.box_shape} {dtype}")
+        return src, dst
 
 
 def _gpu_identity() -> dict:

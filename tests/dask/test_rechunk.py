@@ -119,6 +119,28 @@ def test_structured_dtypes(client, dtype, local):
 
 
 @cpu_only
+def test_structs_with_padding_in_pooled_output_boxes(client):
+    """An aligned struct and Dask's own field selection x[["a", "c"]] (a dtype with offsets), in output boxes big
+    enough for the worker's output pool, which once lost their padding: the engine refused the box after the
+    run's agreement, on some PEs only, and the world broke."""
+    n = 2**17
+    rec = np.zeros((3, n), [("a", "<i4"), ("b", "<f8"), ("c", "<i4")])
+    rec["a"] = np.arange(3 * n).reshape(3, n)
+    rec["c"] = -rec["a"]
+    aligned = np.zeros((3, n), np.dtype([("a", "u1"), ("b", "<f8")], align=True))
+    aligned["a"], aligned["b"] = rec["a"] % 251, rec["a"] * 0.5
+    for x, ref in ((da.from_array(rec, chunks=(3, n // 4))[["a", "c"]], rec[["a", "c"]]),
+                   (da.from_array(aligned, chunks=(3, n // 4)), aligned)):
+        y = dask_pgas.rechunk(x, (1, n))
+        assert y.dtype == ref.dtype
+        out = y.compute()
+        assert out.dtype == ref.dtype
+        for field in ref.dtype.names:
+            np.testing.assert_array_equal(out[field], ref[field])
+    assert not dask_pgas.world().broken
+
+
+@cpu_only
 @pytest.mark.parametrize("chunks", [10, 20], ids=["pack", "zero-copy"])
 def test_masked_arrays_follow_fallback(client, chunks):
     """The collective moves data, not masks: masked arrays follow pgas.fallback. (One 20-element chunk per PE
@@ -455,11 +477,16 @@ def test_bad_chunk_on_one_pe_fails_the_run_not_the_world(client):
     def shrink_first(block, block_info=None):
         return block[:-1] if block_info[0]["chunk-location"][0] == 0 else block
 
+    def plans():
+        return {a: i["plans"] for a, i in dask_pgas.world(client, detail=True).info.items()}
+
     bad = x.map_blocks(shrink_first, dtype=x.dtype, meta=x._meta)  # lies about the shape of its first chunk
+    before = plans()
     with pytest.raises(Exception) as info:  # the agreed error of a collective run, or the local task's own
         dask_pgas.rechunk(bad, (60, 10)).compute()
     assert "ValueError" in f"{info.type.__name__}: {info.value}"
     assert dask_pgas.world(client).broken is None
+    assert plans() == before  # a run that failed its agreement keeps no plan, on any PE: the caches stay alike
     np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (60, 10)).compute()), ref)
 
 

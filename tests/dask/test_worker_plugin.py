@@ -56,6 +56,22 @@ def test_forget_before_the_run_started_here_marks_it_dropped(plugin):
     assert plugin._done == {}
 
 
+def test_forget_that_overtook_its_start_leaves_no_entry(plugin, monkeypatch):
+    """The forget (batched stream) can arrive before the start (an RPC) of the run it names: the late start
+    must not record the released run as the rechunk's newest, where nothing would ever remove it."""
+    import asyncio
+
+    def run(name, seq):
+        plugin._signal(seq, result=None)
+        return {"pe": 0, "seconds": 0.0}
+
+    monkeypatch.setattr(plugin, "_run_and_signal", run)
+    plugin._next_seq = 3
+    plugin._h_forget("pgas-rechunk-a", run=3, epoch=1)
+    asyncio.run(plugin._h_start("pgas-rechunk-a", 3, 1))
+    assert not plugin._done and not plugin._dropped and not plugin._staged and not plugin._run_of
+
+
 def test_forget_of_another_world_touches_no_run(plugin):
     plugin._next_seq = 4
     plugin._done[3] = concurrent.futures.Future()
@@ -199,6 +215,26 @@ def test_memory_pressure_gives_back_what_dask_cannot_spill(monkeypatch):
         assert p._trim() == 2**20 and p._pool.idle == 0
     finally:
         p.teardown(worker)
+
+
+@pytest.mark.parametrize("dtype", [
+    [("a", "u1"), ("b", "<f8")],  # aligned below: 7 bytes of padding after 'a'
+    {"names": ["a", "c"], "formats": ["<i4", "<i4"], "offsets": [0, 12], "itemsize": 16},  # Dask's x[["a", "c"]]
+    {"names": ["b", "a"], "formats": ["<i4", "<i4"], "offsets": [4, 0], "itemsize": 8},  # fields out of order
+    ">c16",
+])
+def test_pooled_output_blocks_keep_the_dtype(plugin, dtype):
+    """Output boxes of 1 MiB or more come from the pool: the exact dtype, padding and offsets included (an array
+    interface's descr lost them, so the engine refused the box after the run's agreement)."""
+    import numpy as np
+
+    dt = np.dtype(dtype, align=isinstance(dtype, list))
+    shape = (3, 2**20 // dt.itemsize)
+    for _ in range(2):  # a fresh block, then the same block again from the pool
+        out = plugin._pool.empty(shape, dt)
+        assert out.dtype == dt and out.shape == shape and out.flags.c_contiguous
+        del out
+    assert plugin._pool.idle == shape[0] * shape[1] * dt.itemsize
 
 
 def test_a_rechunk_computed_again_drops_its_old_output(plugin, monkeypatch):
