@@ -239,10 +239,17 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                     "dask_pgas.LocalMPICluster, dask-mpi (--worker-class distributed.Worker) or one mpiexec, or use "
                     "GPU workers with NVSHMEM",
                 }
-            # a previous intact world is torn down collectively first (and ends before: no run may start on it)
-            if self.world and not self.broken:
-                old, self.world = list(self.world), ()
-                await self._call(old, "pgas_teardown", timeout=timeout)
+            # A previous world is torn down collectively first (and ends before: no run may start on it): an intact
+            # one, or a broken one whose members are all still here, none inside a collective (none is poisoned,
+            # checked above). A broken world that lost a member cannot be: its members refuse init, saying so.
+            if self.world and (not self.broken or self._recoverable(infos)):
+                old, forced, self.world = list(self.world), bool(self.broken), ()
+                res = await self._call(old, "pgas_teardown", timeout=timeout, force=forced)
+                errors = {w: r for w, r in res.items() if isinstance(r, BaseException) or r["status"] != "OK"}
+                if forced and errors:
+                    w, r = next(iter(errors.items()))
+                    return {"status": "error", "message": f"the broken world #{self.epoch} could not be torn down "
+                            f"on {w} ({r if isinstance(r, BaseException) else r['message']}); restart the cluster"}
             self.epoch += 1
             self._seq = 0
             self._tail = None
@@ -301,6 +308,12 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                 logger.warning("dask_pgas: %s", warning)
             return {"status": "OK", **self._describe(), **({"warning": warning} if warning else {})}
 
+    def _recoverable(self, infos: dict) -> bool:
+        """Whether the broken world can still be torn down collectively: every member is here (``infos``, the
+        members' ``pgas_info``) and none is, or was when the world broke, inside a collective."""
+        return all(isinstance(infos.get(w), dict) and not infos[w]["poisoned"] and infos[w]["busy_for"] is None
+                   for w in self.world)
+
     async def teardown(self) -> dict:
         async with self._lock:
             if runs := self._active():
@@ -309,16 +322,21 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                 return {"status": "OK", "workers": {}}
             members = [w for w in self.world if w in self.scheduler.workers]
             broken = self.broken
+            if broken:
+                infos = await self._call(members, "pgas_info", timeout=parse_timedelta("30s"))
+                if not self._recoverable(infos):
+                    self.world, self.backends = (), ()
+                    return {"status": "error", "message": f"the world is broken ({broken}) and a member left or "
+                            "is stuck inside a collective; restart the cluster"}
             # the world ends now, before the members finalize: a rechunk whose last transfer task lands
             # meanwhile gets a clear error instead of a run on PEs that are tearing down
             self.world = ()
             self.backends = ()
-            if broken:
-                return {"status": "error", "message": f"the world is broken ({broken}); restart the cluster"}
-            res = await self._call(members, "pgas_teardown", timeout=parse_timedelta("120s"))
+            res = await self._call(members, "pgas_teardown", timeout=parse_timedelta("120s"), force=bool(broken))
             errors = {w: r for w, r in res.items() if isinstance(r, BaseException) or r["status"] != "OK"}
             if errors:
                 return {"status": "error", "message": str(errors)}
+            self.broken = None  # (the broken world is gone: there is no world now)
             return {"status": "OK", "workers": res}
 
     # ---------------------------------------------------------------- runs

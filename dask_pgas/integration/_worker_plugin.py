@@ -69,7 +69,10 @@ class _CollectiveThread:
 
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
         self.busy_since: float | None = None
+        #: the call running when the world failed has not returned (it may wait for a dead peer for ever)
+        self.stuck = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -92,7 +95,15 @@ class _CollectiveThread:
             except BaseException as exc:
                 fut.set_exception(exc)
             finally:
-                self.busy_since = None
+                with self._lock:
+                    self.busy_since = None
+                    self.stuck = False
+
+    def mark_stuck(self) -> None:
+        """The world failed: a call running now may never return; ``stuck`` until it does."""
+        with self._lock:
+            if self.busy_since is not None:
+                self.stuck = True
 
     def stop(self) -> None:
         self._queue.put(None)
@@ -211,6 +222,12 @@ class PGASWorkerPlugin(WorkerPlugin):
     name = PLUGIN_NAME
     idempotent = True
 
+    @property
+    def poisoned(self) -> bool:
+        """A collective that was running when the world failed never returned: this process cannot join a new
+        world (nor finalize MPI). It stops being so if that collective does return."""
+        return self._thread.stuck
+
     def setup(self, worker) -> None:
         self.worker = worker
         self._thread = _CollectiveThread(f"pgas-collective-{worker.name}")
@@ -218,7 +235,6 @@ class PGASWorkerPlugin(WorkerPlugin):
         self.epoch: int | None = None
         self.npes = 0
         self.broken: str | None = None
-        self.poisoned = False  # a collective never returned: this process cannot join a new world
         # _staged, _done and _dropped are shared by the event loop, task threads and the collective thread
         self._lock = threading.Lock()
         self._staged: dict[str, tuple] = {}
@@ -446,8 +462,8 @@ class PGASWorkerPlugin(WorkerPlugin):
                     "message": f"PE {self.pe} ({self.worker.address}): {type(exc).__name__}: {exc}"}
         return {"status": "OK", **info}
 
-    async def _h_teardown(self) -> dict:
-        fut = self._thread.submit(self._teardown)
+    async def _h_teardown(self, force: bool = False) -> dict:
+        fut = self._thread.submit(self._teardown, force)
         try:
             await asyncio.wrap_future(fut)
         except Exception as exc:
@@ -481,8 +497,9 @@ class PGASWorkerPlugin(WorkerPlugin):
     def _h_fail(self, message: str, epoch: int) -> None:
         if epoch == self.epoch:
             self.broken = message
-            if self._thread.busy_since is not None or self._pending:
-                self.poisoned = True  # stuck in (or queued behind) a collective with a dead peer
+            # Stuck, maybe, in a collective with a dead peer. (Runs queued behind it, and starts waiting in
+            # _pending, give up before their agreement: they are failed here, or _run finds the world broken.)
+            self._thread.mark_stuck()
             with self._lock:
                 self._staged.clear()
             error = PGASWorldError(message)
@@ -541,14 +558,20 @@ class PGASWorkerPlugin(WorkerPlugin):
         self._pending.clear()
         self._fail_waiting(PGASWorldError(f"the PGAS world was bootstrapped again (world #{epoch})"))
 
-    def _teardown(self) -> None:
+    def _teardown(self, force: bool = False) -> None:
+        """Free this PE's plans and buffers and finalize, collectively. A broken world only with ``force``: the
+        scheduler found every member present and none inside a collective."""
         from .. import runtime
         from ..memory import free_symmetric_memory
 
         if not runtime.is_initialized():
             return
-        if self.broken or self.poisoned:
-            raise PGASWorldError(f"the PGAS world is broken ({self.broken}); it cannot be torn down collectively")
+        if self.poisoned or (self.broken and not force):
+            raise PGASWorldError(
+                f"{self.worker.address} holds PGAS world #{self.epoch}, which is broken ({self.broken}) and cannot be "
+                "torn down collectively (a member left, or one is stuck inside a collective): restart the workers "
+                "(close the cluster and start a new one)"
+            )
         for plan in self._plans.values():
             plan.free()
         self._plans.clear()

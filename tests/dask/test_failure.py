@@ -114,6 +114,61 @@ def test_teardown_kill_and_close(capfd):
     assert "Traceback" not in out + err
 
 
+def _fail_inside_the_collective(dask_worker):
+    """(client.run) Every later run on this worker raises inside the collective itself, as no check can."""
+    plugin = dask_worker.plugins["dask-pgas"]
+    real = type(plugin)._plan
+
+    class Failing:
+        def __init__(self, plan):
+            self.plan = plan
+
+        def execute(self, *args, **kwargs):
+            raise RuntimeError("injected failure inside the collective")
+
+        def free(self):
+            self.plan.free()
+
+    def plan(engine, spec):
+        key, made, new = real(plugin, engine, spec)
+        return key, Failing(made), new
+
+    plugin._plan = plan
+
+
+def _heal(dask_worker):
+    del dask_worker.plugins["dask-pgas"]._plan
+
+
+def test_a_broken_world_whose_members_are_all_here_is_rebuilt_in_place():
+    """A run that fails inside the collective on every PE (none is left waiting in it) breaks the world, yet
+    every member is still there and none is stuck. bootstrap, and teardown, end that world collectively and a new
+    one comes up on the same workers (both used to refuse until the cluster was restarted)."""
+    from distributed import Client
+
+    with dask_pgas.LocalMPICluster(n_workers=2, backends=[BACKEND], gpus=1 if GPU_WORKERS else 0) as cluster, \
+            Client(cluster) as client:
+        x = on_device(da.random.random((64, 64), chunks=(64, 32))).persist()
+        ref = host(x.compute())
+        first = dask_pgas.world(client)
+        for end in ("bootstrap", "teardown"):
+            client.run(_fail_inside_the_collective)
+            with pytest.raises(Exception, match="injected failure inside the collective"):
+                dask_pgas.rechunk(x, (32, 64)).compute()
+            broken = dask_pgas.world(client)
+            assert broken.broken and "injected failure" in broken.broken
+            info = dask_pgas.world(client, detail=True).info
+            assert not any(i["poisoned"] for i in info.values())
+            client.run(_heal)
+            if end == "teardown":
+                held = dask_pgas.teardown(client)
+                assert set(held.values()) == {0}
+                assert dask_pgas.world(client) is None
+            w = dask_pgas.bootstrap(client)
+            assert w.epoch == broken.epoch + 1 and w.broken is None and w.workers == first.workers
+            np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (32, 64)).compute()), ref)
+
+
 _DRIVER_END = {
     "killed": "time.sleep(300)\n",  # kill -9, a timeout, a crashed kernel
     "exits": "",  # the script falls off its end without close()

@@ -213,7 +213,7 @@ def test_no_run_starts_on_a_world_that_is_being_torn_down():
     class _Rpc(_QueueingRpc):
         gate = None
 
-        async def pgas_teardown(self):
+        async def pgas_teardown(self, force=False):
             _QueueingRpc.log.append((self.addr, "pgas_teardown"))
             await _Rpc.gate.wait()
             return {"status": "OK"}
