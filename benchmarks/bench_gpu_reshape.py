@@ -17,9 +17,13 @@ import statistics
 
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
-import cupy as cp
 import numpy as np
 from mpi4py import MPI
+
+try:
+    import cupy as cp
+except ImportError:  # (--help works without CuPy; a run says what it needs)
+    cp = None
 
 import dask_pgas
 from dask_pgas.distribution import Box
@@ -64,6 +68,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=10)
     args = ap.parse_args()
+    if cp is None:
+        raise SystemExit("bench_gpu_reshape.py needs CuPy and a GPU (pip install -e '.[cuda13]' or '.[cuda12]')")
     comm = MPI.COMM_WORLD
     rank, p = comm.Get_rank(), comm.Get_size()
     dask_pgas.initialize(None, comm, backends=["nvshmem"])

@@ -12,7 +12,8 @@ import dask_mpi
 from mpi4py import MPI
 
 if MPI.COMM_WORLD.size < 3:
-    raise SystemExit("dask_mpi_rechunk.py needs at least 3 MPI ranks (scheduler, client, one worker or more)")
+    raise SystemExit("dask_mpi_rechunk.py needs at least 3 MPI ranks (scheduler, client, one worker or more)"
+                     if MPI.COMM_WORLD.rank == 0 else 1)  # (the message once; every rank exits with status 1)
 dask_mpi.initialize(nthreads=1, worker_class="distributed.Worker", dashboard=False)
 
 import dask.array as da  # noqa: E402

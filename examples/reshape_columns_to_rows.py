@@ -13,7 +13,9 @@ from dask_pgas.distribution import Box
 
 communicator = MPI.COMM_WORLD
 if communicator.Get_size() != 2:  # (not in nvmath's example: its boxes are for two processes)
-    raise SystemExit(f"this example runs on 2 processes: mpiexec -n 2 python {__file__}")
+    # (the message once, from rank 0; every rank exits with status 1)
+    raise SystemExit(f"this example runs on 2 processes: mpiexec -n 2 python {__file__}"
+                     if communicator.Get_rank() == 0 else 1)
 dask_pgas.initialize(None, communicator, backends=["mpi"])
 
 # The global dimensions of the matrix are 4x4. The matrix is distributed

@@ -22,13 +22,20 @@ DIR_ENV = "DASK_PGAS_CLUSTER_DIR"  # the scheduler's: the cluster's temporary di
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie (killed, not yet reaped by its parent) is gone too."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # pragma: no cover - exists, owned by someone else
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # (the name, in parentheses, may hold spaces)
+    except FileNotFoundError:  # gone meanwhile; or no /proc at all (not Linux), and kill() said it exists
+        return not os.path.isdir("/proc/self")
+    except (OSError, IndexError):  # pragma: no cover
+        return True
 
 
 def mpi_shm_files(pids) -> set[str]:

@@ -20,6 +20,7 @@ import pickle
 from typing import Any
 
 from dask.utils import parse_timedelta
+from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from ..errors import PGASWorldError
@@ -567,6 +568,11 @@ class PGASSchedulerPlugin(SchedulerPlugin):
 
     def remove_worker(self, scheduler, worker: str, *, stimulus_id: str, **kwargs) -> None:
         if worker not in self.world:
+            return
+        if getattr(scheduler, "status", None) in (Status.closing, Status.closed) and not self._in_flight():
+            # the cluster is shutting down (a dask-mpi job at its end, without teardown): nothing is lost
+            logger.info("dask_pgas: the scheduler is closing; PGAS world #%d ends with it", self.epoch)
+            self.world, self.backends = (), ()
             return
         self._break(self._left(worker))
         exc = PGASWorldError(self.broken)  # every member's removal re-checks: tasks may have moved meanwhile

@@ -555,6 +555,7 @@ class PGASWorkerPlugin(WorkerPlugin):
         self.epoch = epoch
         self.broken = None
         self._next_seq = 0
+        self.runs, self.collective_seconds = 0, 0.0  # (world(detail=True) reports this world's)
         self._pending.clear()
         self._fail_waiting(PGASWorldError(f"the PGAS world was bootstrapped again (world #{epoch})"))
 

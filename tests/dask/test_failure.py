@@ -13,23 +13,11 @@ import pytest
 import dask_pgas
 from dask_pgas.errors import CollectiveError
 from dask_pgas.integration import PGASRechunkUnsupported, PGASWorldError
-from dask_pgas.integration._orphan_guard import mpi_shm_files
+from dask_pgas.integration._orphan_guard import _alive, mpi_shm_files
 
 from ._xp import BACKEND, GPU_WORKERS, host, on_device
 
 pytestmark = [pytest.mark.dask, pytest.mark.timeout(240)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead too
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def _mpich() -> bool:
@@ -171,15 +159,18 @@ def test_a_broken_world_whose_members_are_all_here_is_rebuilt_in_place():
 
 _DRIVER_END = {
     "killed": "time.sleep(300)\n",  # kill -9, a timeout, a crashed kernel
+    "killed, not reaped": "time.sleep(300)\n",  # ... whose parent has not waited for it yet: a zombie
     "exits": "",  # the script falls off its end without close()
 }
 
 
-@pytest.mark.parametrize(("bootstrap", "end"), [(False, "killed"), (True, "killed"), (True, "exits")])
+@pytest.mark.parametrize(("bootstrap", "end"),
+                         [(False, "killed"), (True, "killed"), (True, "exits"), (False, "killed, not reaped")])
 def test_killed_launcher_leaves_no_processes(bootstrap, end):
     """A driver killed (or ending) without closing its LocalMPICluster: the scheduler and the worker ranks
     notice and exit, so nothing keeps holding memory or a GPU, and no MPI shared-memory file stays in /dev/shm
-    (ranks of a bootstrapped world exit without MPI_Finalize), nor the cluster's temporary directory."""
+    (ranks of a bootstrapped world exit without MPI_Finalize), nor the cluster's temporary directory. A killed
+    driver that its parent has not reaped yet (a zombie, which kill(pid, 0) still finds) counts as gone."""
     import json
     import subprocess
     import sys
@@ -200,18 +191,19 @@ def test_killed_launcher_leaves_no_processes(bootstrap, end):
         shm = mpi_shm_files(pids)
         driver.stdin.write("\n")
         driver.stdin.flush()
-        if end == "killed":
+        if end.startswith("killed"):
             driver.kill()
-        driver.wait(60)
+        if end != "killed, not reaped":
+            driver.wait(60)
+        assert len(pids) >= 4  # 2 workers, mpiexec, scheduler
+        assert shm or not _mpich()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.2)
+        left = [p for p in pids if _alive(p)]
     finally:
         driver.kill()
         driver.wait()
-    assert len(pids) >= 4  # 2 workers, mpiexec, scheduler
-    assert shm or not _mpich()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.2)
-    left = [p for p in pids if _alive(p)]
     for p in left:  # do not leak them into the rest of the session
         os.kill(p, signal.SIGKILL)
     assert not left, f"processes {left} outlived their launcher"

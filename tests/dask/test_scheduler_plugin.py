@@ -263,6 +263,25 @@ def test_no_start_is_sent_once_the_world_broke():
     assert [m["w0"][0]["op"] for m in plugin.scheduler.sent] == ["pgas-fail"]
 
 
+def test_members_leaving_a_closing_scheduler_end_the_world_quietly(caplog):
+    """A dask-mpi job that ends without teardown closes the scheduler, which removes every worker: that is no
+    failure, and used to log 'left the PGAS world ... is broken' at ERROR level."""
+    import logging
+
+    from distributed.core import Status
+
+    plugin = _plugin()
+    plugin.scheduler.status = Status.closing
+    with caplog.at_level(logging.INFO, logger="dask_pgas"):
+        plugin.remove_worker(plugin.scheduler, "w0", stimulus_id="test")
+        plugin.remove_worker(plugin.scheduler, "w1", stimulus_id="test")
+    assert plugin.broken is None and plugin.world == () and plugin.scheduler.sent == []
+    assert [r.levelname for r in caplog.records] == ["INFO"], caplog.records
+    plugin = _plugin()  # a running scheduler losing a member: the world breaks
+    plugin.remove_worker(plugin.scheduler, "w1", stimulus_id="test")
+    assert plugin.broken and "left the PGAS world" in plugin.broken
+
+
 def test_barriers_run_on_world_members():
     """A barrier on a worker outside the world, lost with it, would be recomputed and start the run again
     with its inputs consumed: barriers are restricted to the members."""
