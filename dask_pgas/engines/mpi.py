@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..distribution import Box
+from ..errors import UnsupportedOperandError
 from ..geometry.boxes import contiguous_offset
 from .base import Allocation, ControlPlane, Engine, ReshapePlan, ReshapeSpec
 
@@ -106,6 +107,15 @@ def subarray_type(base, whole: Box, piece: Box, order):
 
 
 _PACK_CHOICES = ("auto", "always", "never")
+_INT_MAX = 2**31 - 1
+
+
+def _large_counts() -> bool:
+    """Whether ``Alltoallw`` takes counts and byte displacements past ``2**31 - 1``: MPI 4's large-count calls,
+    which mpi4py 4 uses when the library has them (MPICH 4 and later; not Open MPI 4.1, an MPI 3.1)."""
+    from mpi4py import MPI
+
+    return MPI.Get_version() >= (4, 0)
 
 
 def _pack_strided_sends() -> bool:
@@ -184,6 +194,19 @@ class MPIReshapePlan(ReshapePlan):
                 self._send_displs[peer] = offset * item
         if packing:
             self._pack_buffer = np.empty(position, dtype=np.uint8)
+        # Counts and byte displacements are C ints before MPI 4: past them mpi4py raises inside execute(), after
+        # the agreement, on the ranks with such pieces only. Refused here instead, where plans are agreed on.
+        worst = max(*self._send_counts, *self._recv_counts, *self._send_displs, *self._recv_displs)
+        if worst > _INT_MAX and not _large_counts():
+            from mpi4py import MPI
+
+            self.free()
+            raise UnsupportedOperandError(
+                f"rank {me}'s pieces need Alltoallw counts or byte offsets up to {worst}; "
+                f"{MPI.Get_library_version().splitlines()[0].strip()} (MPI {'.'.join(map(str, MPI.Get_version()))}) "
+                "takes them as C ints, up to 2**31 - 1: use more ranks (smaller boxes) or an MPI 4 library "
+                "(MPICH 4, Open MPI 5)"
+            )
 
     def _subarray(self, base, whole, piece, order):
         dt = subarray_type(base, whole, piece, order)

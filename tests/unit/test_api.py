@@ -324,3 +324,34 @@ def test_torch_cpu_tensors_are_moved_as_numpy_views():
     # a lazily conjugated tensor is resolved (a copy), so the bytes moved are the conjugate's
     z = torch.tensor([1 + 2j, 3 - 1j]).conj()
     assert np.array_equal(host_view(z), np.array([1 - 2j, 3 + 1j], dtype=np.complex64))
+
+
+def test_boxes_past_mpi_int_counts_are_refused_at_planning_before_mpi_4(monkeypatch):
+    """Before MPI 4 (Open MPI 4.1 is an MPI 3.1) Alltoallw counts and byte displacements are C ints: a piece
+    past 2**31 - 1 made mpi4py raise inside execute(), after the agreement, on the ranks with such pieces only.
+    The plan refuses it (plans are agreed on); with MPI 4's large counts (MPICH 4+, as here) it plans. A plan
+    only reads the boxes: no memory is touched."""
+    from mpi4py import MPI
+
+    from dask_pgas.distribution import Box
+    from dask_pgas.engines import mpi as mpi_engine
+    from dask_pgas.engines.base import ReshapeSpec
+
+    G = 2**30
+    ins = (Box((0,), (G,)), Box((G,), (5 * G,)))
+    outs = (Box((0,), (4 * G,)), Box((4 * G,), (5 * G,)))
+    from types import SimpleNamespace
+
+    engine = SimpleNamespace(data_comm=MPI.COMM_SELF)
+    spec = ReshapeSpec(ins, outs, np.dtype(np.uint8), "C", 0)
+    monkeypatch.setattr(mpi_engine, "_large_counts", lambda: False)
+    with pytest.raises(errors.UnsupportedOperandError, match=r"up to 3221225472; .*C ints, up to 2\*\*31 - 1"):
+        mpi_engine.MPIReshapePlan(engine, spec)  # 3 GiB of bytes from rank 1: a count of 3 * 2**30
+    # the same 4 GiB box in 8-byte elements: 3 * 2**27 elements at a byte offset of 2**30, within C ints
+    eights = ReshapeSpec(tuple(Box((b.lower[0] // 8,), (b.upper[0] // 8,)) for b in ins),
+                         tuple(Box((b.lower[0] // 8,), (b.upper[0] // 8,)) for b in outs), np.dtype(np.uint64), "C", 0)
+    mpi_engine.MPIReshapePlan(engine, eights).free()
+    monkeypatch.setattr(mpi_engine, "_large_counts", lambda: True)
+    plan = mpi_engine.MPIReshapePlan(engine, spec)
+    assert plan._recv_counts[1] == 3 * G  # the piece from rank 1, counted past 2**31 - 1
+    plan.free()
