@@ -201,11 +201,12 @@ class MPIReshapePlan(ReshapePlan):
             from mpi4py import MPI
 
             self.free()
+            first = (MPI.Get_library_version().split("\x00")[0].splitlines() or [""])[0]
+            library = " ".join(first.split(",")[0].split())  # "Open MPI v4.1.6", "MPICH Version: 5.0.2"
             raise UnsupportedOperandError(
-                f"rank {me}'s pieces need Alltoallw counts or byte offsets up to {worst}; "
-                f"{MPI.Get_library_version().splitlines()[0].strip()} (MPI {'.'.join(map(str, MPI.Get_version()))}) "
-                "takes them as C ints, up to 2**31 - 1: use more ranks (smaller boxes) or an MPI 4 library "
-                "(MPICH 4, Open MPI 5)"
+                f"rank {me}'s pieces need Alltoallw counts or byte offsets up to {worst}; {library} (MPI "
+                f"{'.'.join(map(str, MPI.Get_version()))}) takes them as C ints, up to 2**31 - 1: use more ranks "
+                "(smaller boxes) or an MPI 4 library (MPICH 4, Open MPI 5)"
             )
 
     def _subarray(self, base, whole, piece, order):
