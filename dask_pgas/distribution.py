@@ -37,6 +37,8 @@ def _coords(values: Iterable[int], name: str) -> tuple[int, ...]:
         out = tuple(operator.index(v) for v in values)
     except TypeError as exc:  # a ValueError, as nvmath raises for coordinates that are not integers
         raise ValueError(f"{name} must be a sequence of integers, got {values!r}") from exc
+    if any(not -(2**63) <= v < 2**63 for v in out):  # (geometry runs on int64)
+        raise ValueError(f"{name} must be integers within 64 bits, got {values!r}")
     return out
 
 

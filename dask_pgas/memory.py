@@ -229,10 +229,22 @@ def _collected(seq: int) -> None:
     )
 
 
+def _chain(array: Any):
+    """``array`` and the arrays it is a view of, outermost first (NumPy's and CuPy's ``base``, torch's ``_base``)."""
+    while array is not None:
+        yield array
+        base = getattr(array, "_base" if package_of(array) == "torch" else "base", None)
+        array = base if base is not None and package_of(base) is not None else None
+
+
 def _was_freed(array: Any) -> bool:
-    """Whether ``array`` itself was returned by :func:`allocate_symmetric_memory` and freed since (local)."""
-    ref = _freed.get(id(array))
-    return ref is not None and ref() is array
+    """Whether ``array`` was returned by :func:`allocate_symmetric_memory` and freed since, or is a view of such
+    an array: its memory is gone, or belongs to a later allocation at the same address (local)."""
+    for a in _chain(array):
+        ref = _freed.get(id(a))
+        if ref is not None and ref() is a:
+            return True
+    return False
 
 
 def _lookup(array: Any) -> tuple[_Record | None, str | None]:
@@ -346,8 +358,8 @@ def free_symmetric_memory(*arrays: Any) -> None:
             )
         for rec, array in zip(records, arrays):
             _forget(rec)
-            key = id(array)
-            _freed[key] = weakref.ref(array, functools.partial(_drop_freed, key))
+            for a in _chain(array):  # (views of it may name it, or only an array it was made from)
+                _freed[id(a)] = weakref.ref(a, functools.partial(_drop_freed, id(a)))
             rec.engine.free(rec.allocation)
 
 

@@ -64,6 +64,8 @@ class ReshapeOptions:
     def _validate(self) -> None:
         if self.blocking not in (True, False, "auto"):
             raise ValueError(f"blocking must be True, False or 'auto', not {self.blocking!r}")
+        if self.logger is not None and not isinstance(self.logger, (logging.Logger, logging.LoggerAdapter)):
+            raise TypeError(f"logger must be a logging.Logger (or None), not {type(self.logger).__name__}")
 
 
 _OPTION_FIELDS = tuple(f.name for f in fields(ReshapeOptions))
@@ -266,7 +268,9 @@ class Reshape:
         desc, engine, parsed = self._describe(operand, input_box, output_box, options)
         control.agree(None, "Reshape()")  # every rank is in this call, or all raise
         # numbered alike on every rank of this world (one count for Reshape and Redistribute objects)
-        self._name = f"{type(self).__name__}#{control.number('Reshape') + 1}"
+        # (one name for both classes: a Redistribute on some ranks and a Reshape on others are one object)
+        self._name = f"Reshape#{control.number('Reshape') + 1}"
+        np_dtype = desc.pop("np_dtype", None)  # local only (a dtype's metadata may not even pickle)
         descs = control.allgather(desc)
         _raise_first(descs)
         _resolve_slabs(descs)
@@ -285,7 +289,7 @@ class Reshape:
         self._spec = ReshapeSpec(
             input_boxes=tuple(Box(*d["in"]) for d in descs),
             output_boxes=tuple(Box(*d["out"]) for d in descs),
-            dtype=desc["np_dtype"],
+            dtype=np_dtype,
             order=self._order(descs),
             rank=control.rank,
         )

@@ -93,7 +93,7 @@ def test_slab_api_like_nvmath():
 @pytest.mark.parametrize(
     ("lower", "upper", "error"),
     [((0,), (1, 2), ValueError), ((2,), (1,), ValueError), ((), (), ValueError), ((0.5,), (1,), ValueError),
-     (3, 4, ValueError)],
+     (3, 4, ValueError), ((0,), (2**63,), ValueError), ((-(2**63) - 1,), (0,), ValueError)],
 )
 def test_box_rejects(lower, upper, error):
     with pytest.raises(error):

@@ -271,20 +271,38 @@ case("reset_operand(None) on one rank", reset_none_on_one_rank, "ValueError")
 
 
 # -- D7: a freed symmetric operand is refused, never read ------------------------------------------------------------
-def reshape_of_freed(ranks):
+def reshape_of_freed(ranks, view=False):
     a = symmetric(col())
+    v = a[:, ::-1][:, ::-1] if view else a  # (a view of a view: its base is the freed array)
     live = symmetric(col(), -GLOBAL)
     dask_pgas.free_symmetric_memory(a)
     junk = symmetric(col(), GLOBAL * 0 - 5)  # may take the freed memory's place
     b = None
     try:
-        b = reshape(a if RANK in ranks else live, col(), row())
+        b = reshape(v if RANK in ranks else live, col(), row())
     finally:
         release(live, junk, b)
 
 
 case("reshape of a freed symmetric operand", lambda: reshape_of_freed(set(range(SIZE))), "SymmetricMemoryError")
 case("reshape of a freed symmetric operand on one rank", lambda: reshape_of_freed({1}), "SymmetricMemoryError")
+case("reshape of a view of a freed symmetric array", lambda: reshape_of_freed(set(range(SIZE)), True),
+     "SymmetricMemoryError")  # (it read the allocation that took the freed one's address)
+case("reshape of a view of a freed symmetric array on one rank", lambda: reshape_of_freed({1}, True),
+     "SymmetricMemoryError")
+
+
+def redistribute_beside_reshape():
+    """nvmath 1.0's name on some ranks, the 0.x name on others: one object (they were told apart by name)."""
+    from dask_pgas.reshape import Redistribute
+
+    cls = Redistribute if RANK == 0 else Reshape
+    with cls(piece(col()), col(), row()) as r:
+        r.plan()
+        assert np.array_equal(r.execute(), piece(row()))
+
+
+case("Redistribute on one rank, Reshape on the others", redistribute_beside_reshape)
 
 
 def execute_after_operand_freed(view):

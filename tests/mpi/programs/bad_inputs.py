@@ -132,6 +132,25 @@ def _off_heap(shape):
 
 
 case("GPU operand not on the symmetric heap" if GPU else "symmetric operand on some ranks only", mixed_memory)
+case("options' logger is not a logger on one rank", lambda: run(  # (it was first used after the exchange)
+    operand(col().box_shape), col(), row()) if RANK else reshape(
+    operand(col().box_shape, symmetric=False), col(), row(), options={"logger": "not-a-logger"}))
+
+
+def unpicklable_dtype_metadata():
+    """Not a bad input: a dtype whose metadata does not pickle, on one rank, is float64 like the others' and
+    reshapes (the description exchange pickled it, and failed on that rank alone)."""
+    a = operand(col().box_shape)
+    if not GPU:
+        dtype = np.dtype(np.float64, metadata={"hook": lambda: 0}) if RANK == 0 else np.float64
+        a = np.full(col().box_shape, RANK, dtype)
+    b = reshape(a, col(), row())
+    ok = GPU or bool((b == np.repeat(np.arange(SIZE, dtype=np.float64), 4)[None, :]).all())
+    release(a, b)
+    assert ok, "wrong result"
+
+
+case("a dtype's metadata does not pickle on one rank (not an error)", unpicklable_dtype_metadata)
 
 
 usage = dask_pgas.heap_usage()
