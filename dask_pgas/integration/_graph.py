@@ -25,7 +25,7 @@ from typing import Any
 from dask._task_spec import Task, TaskRef
 
 from ..errors import CollectiveError
-from ._worker_plugin import RunSpec, get_plugin
+from ._worker_plugin import RunSpec, get_plugin, refuse_masked
 
 
 class _Unfused(Task):
@@ -105,6 +105,7 @@ def assemble(pe: int, epoch: int, npes: int, shape: tuple, dtype: Any, pieces: t
     import numpy as np
 
     get_plugin().check(pe, epoch, npes)
+    refuse_masked(arrays)
     if len(pieces) == 1:
         view = arrays[0][pieces[0][0]]
         if view.shape == tuple(shape) and view.dtype == dtype:

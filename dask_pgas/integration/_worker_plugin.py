@@ -24,7 +24,14 @@ from typing import Any
 
 from distributed import WorkerPlugin
 
-from ..errors import CollectiveError, CollectiveMismatchError, PGASWorldError, RuntimeStateError, SymmetricMemoryError
+from ..errors import (
+    CollectiveError,
+    CollectiveMismatchError,
+    PGASWorldError,
+    RuntimeStateError,
+    SymmetricMemoryError,
+    UnsupportedOperandError,
+)
 from ._config import setting
 
 #: The GPU of a PE is the one its worker's tasks allocate on: CUDA device 0 of what the worker sees. Launchers that
@@ -790,6 +797,7 @@ class PGASWorkerPlugin(WorkerPlugin):
 
         if spec.delay:
             time.sleep(spec.delay)
+        refuse_masked(arrays)
         engine = runtime.engine_for_package(spec.package)
         dtype = np.dtype(spec.dtype)
         in_box = spec.input_boxes[self.pe]
@@ -816,6 +824,20 @@ class PGASWorkerPlugin(WorkerPlugin):
                 raise ValueError(f"PE {self.pe}'s {what} box came out as {tuple(array.shape)} {array.dtype}; the "
                                  f"plan needs {box.box_shape} {dtype}")
         return src, dst
+
+
+def refuse_masked(arrays: tuple) -> None:
+    """Chunks that are masked arrays under a plain ``_meta`` (Dask's default for ``from_delayed`` or
+    ``map_blocks``): the collective and the local copies move data, not masks, so this raises, as a masked
+    ``_meta`` makes ``rechunk`` follow ``pgas.fallback`` before any task runs."""
+    import numpy as np
+
+    if any(isinstance(a, np.ma.MaskedArray) for a in arrays):
+        raise UnsupportedOperandError(
+            "a chunk is a numpy masked array, but the Dask array's meta is a plain ndarray: a pgas rechunk moves "
+            "data, not masks. Give the array a masked meta (e.g. map_blocks(..., meta=np.ma.masked_array([]))), "
+            "which makes rechunk follow pgas.fallback, or rechunk with method='tasks'"
+        )
 
 
 def _gpu_identity() -> dict:

@@ -165,6 +165,22 @@ def test_masked_arrays_follow_fallback(client, chunks):
 
 
 @cpu_only
+@pytest.mark.parametrize("local", [True, False])
+def test_masked_chunks_under_a_plain_meta_are_refused(client, local):
+    """Chunks that are masked arrays under a plain ndarray _meta (Dask's default for map_blocks or from_delayed):
+    the rechunk ran and dropped the masks (sums differed from tasks'). It now fails clearly, before any data
+    moves, and the world and the input stay usable."""
+    x = da.arange(60.0, chunks=20).map_blocks(np.ma.masked_greater, 50.0, meta=np.array(()))
+    assert type(x._meta) is np.ndarray
+    with dask.config.set({"pgas.local-rechunk": local}):
+        with pytest.raises(Exception, match="masked array, but the Dask array's meta is a plain ndarray"):
+            dask_pgas.rechunk(x, 7).compute()
+    assert dask_pgas.world(client).broken is None
+    assert np.ma.count_masked(x.rechunk(7, method="tasks").compute()) == 9
+    np.testing.assert_array_equal(dask_pgas.rechunk(da.arange(60.0, chunks=20), 7).compute(), np.arange(60.0))
+
+
+@cpu_only
 def test_fallback_chunks_equal_dasks_with_balance(client):
     """A fallback rechunks the caller's chunks with Dask's own rechunk: balancing twice gave other chunks."""
     cases = [
