@@ -311,9 +311,14 @@ class PGASSchedulerPlugin(SchedulerPlugin):
 
     def _recoverable(self, infos: dict) -> bool:
         """Whether the broken world can still be torn down collectively: every member is here (``infos``, the
-        members' ``pgas_info``) and none is, or was when the world broke, inside a collective."""
-        return all(isinstance(infos.get(w), dict) and not infos[w]["poisoned"] and infos[w]["busy_for"] is None
-                   for w in self.world)
+        members' ``pgas_info``), holds this world (a bootstrap that failed part way leaves some members without
+        it: they would return from the teardown at once while the others wait in its collective frees) and none
+        is, or was when the world broke, inside a collective."""
+        return all(
+            isinstance(i := infos.get(w), dict) and i["initialized"] and i["epoch"] == self.epoch
+            and not i["poisoned"] and i["busy_for"] is None
+            for w in self.world
+        )
 
     async def teardown(self) -> dict:
         async with self._lock:

@@ -318,3 +318,21 @@ def test_shared_gpu_warning(members, expected):
         assert warning is None
     else:
         assert warning.startswith(expected) and "CUDA_VISIBLE_DEVICES" in warning
+
+
+def test_a_broken_world_is_torn_down_only_when_every_member_holds_it_idle():
+    """A forced teardown is collective over the old members: each must be there, hold that world (a bootstrap
+    that failed part way leaves members without it, which would return at once while the others wait), and not
+    be inside a collective."""
+    plugin = _plugin()
+
+    def info(**kw):
+        return {"initialized": True, "epoch": 1, "poisoned": False, "busy_for": None, **kw}
+
+    assert plugin._recoverable({"w0": info(), "w1": info()})
+    assert not plugin._recoverable({"w0": info()})  # a member left
+    assert not plugin._recoverable({"w0": info(), "w1": RuntimeError("no answer")})
+    assert not plugin._recoverable({"w0": info(), "w1": info(initialized=False, epoch=None)})
+    assert not plugin._recoverable({"w0": info(), "w1": info(epoch=0)})  # still in an older world
+    assert not plugin._recoverable({"w0": info(), "w1": info(poisoned=True)})
+    assert not plugin._recoverable({"w0": info(busy_for=3.0), "w1": info()})
