@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from dataclasses import dataclass
@@ -43,14 +44,21 @@ def to_numpy_dtype(dtype: Any) -> np.dtype:
     float8 types, ``complex32``) is raw bytes of its size (``V2``, ``V1``, ``V4``)."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(dtype, torch.dtype):
-        with warnings.catch_warnings():  # torch warns that complex32 is experimental
-            warnings.simplefilter("ignore")
-            probe = torch.empty((), dtype=dtype)
-        try:
-            return np.dtype(probe.numpy().dtype)
-        except TypeError:  # torch refuses .numpy() for dtypes NumPy has no match for
-            return np.dtype(f"V{probe.element_size()}")
+        return _torch_to_numpy(dtype)
     return np.dtype(dtype)
+
+
+@functools.cache  # (execute() asks it for every torch operand; torch has a few dozen dtypes)
+def _torch_to_numpy(dtype: Any) -> np.dtype:
+    import torch
+
+    with warnings.catch_warnings():  # torch warns that complex32 is experimental
+        warnings.simplefilter("ignore")
+        probe = torch.empty((), dtype=dtype)
+    try:
+        return np.dtype(probe.numpy().dtype)
+    except TypeError:  # torch refuses .numpy() for dtypes NumPy has no match for
+        return np.dtype(f"V{probe.element_size()}")
 
 
 def is_host_tensor(obj: Any) -> bool:
