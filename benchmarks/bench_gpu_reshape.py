@@ -26,18 +26,12 @@ except ImportError:  # (--help works without CuPy; a run says what it needs)
     cp = None
 
 import dask_pgas
-from dask_pgas.distribution import Box
+from dask_pgas.distribution import Box, Slab
 from dask_pgas.reshape import Reshape
 
 
 def slabs(n: int, p: int, axis: int) -> list[Box]:
-    cuts = [n * i // p for i in range(p + 1)]
-    out = []
-    for i in range(p):
-        lo, up = [0, 0], [n, n]
-        lo[axis], up[axis] = cuts[i], cuts[i + 1]
-        out.append(Box(lo, up))
-    return out
+    return [Slab(axis).box(r, p, (n, n)) for r in range(p)]
 
 
 def timed(fn, stream, warmup: int, repeat: int, after=None) -> float:
