@@ -77,9 +77,9 @@ def agreed_outcomes(result, nranks: int) -> dict[str, dict]:
     return {name: outcomes[0] for name, outcomes in by_case.items()}
 
 
-def run_cases(program: str, nranks: int, timeout: float = 180):
+def run_cases(program: str, nranks: int, *args: str, timeout: float = 180):
     """Run a case program under ``mpiexec -n nranks`` (a hang fails the test instead of blocking), check that
     every rank ended OK, and return the result and its agreed outcomes (:func:`agreed_outcomes`)."""
-    result = run_mpi(program, nranks, timeout=timeout)
+    result = run_mpi(program, nranks, *args, timeout=timeout)
     check(result, nranks)
     return result, agreed_outcomes(result, nranks)

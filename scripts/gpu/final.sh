@@ -13,8 +13,9 @@
 # followed by the jobs that need no cuFFTMp (robust, cpubench), so that the upload calls do real work too. Any other
 # call reassembles cuFFTMp once (when not there yet) and runs its JOBs in order:
 #   robust    the core's collective-check programs and random-layout suite under Open MPI (mpi backend)
-#   engine    pytest tests/gpu; gpu_checks at 1, 2 and 4 PEs; the core suite (random layouts against NumPy)
-#             with CuPy, torch and NumPy at 2-4 PEs (side by side)
+#   engine    pytest tests/gpu, then the core's bad-input and symmetric-memory programs on NVSHMEM with CuPy and
+#             torch (pytest -m gpu tests/mpi/test_reshape_mpi.py); beside them gpu_checks at 1, 2 and 4 PEs and the
+#             core suite (random layouts against NumPy) with CuPy, torch and NumPy at 2-4 PEs
 #   mps       gpu_checks, the CuPy core suite and the Dask suite at 2 and 4 PEs under MPS
 #   dask      the Dask suite on 1, 2 and 4 GPU workers and on 2 outside MPI (side by side), then the failure tests
 #   dask4     the Dask suite on 4 GPU workers alone (a quick check after a change to the Dask layer)
@@ -102,7 +103,9 @@ rechunk_bench() {  # rechunk_bench K SIZES TIMEOUT LOG [ARGS...]
 
 # ---------------------------------------------------------------- jobs
 job_engine() {
-  step "pytest tests/gpu" 240 "$OUT/engine-pytest.log" python3 -m pytest -q -p no:cacheprovider tests/gpu &
+  ( step "pytest tests/gpu" 240 "$OUT/engine-pytest.log" python3 -m pytest -q -p no:cacheprovider tests/gpu
+    step "the core's bad-input and symmetric-memory programs on NVSHMEM (CuPy, torch)" 240 "$OUT/engine-pytest.log" \
+      python3 -m pytest -q -rA -p no:cacheprovider -m gpu tests/mpi/test_reshape_mpi.py ) &
   ( for np_ in 1 2 4; do
       step "gpu_checks np=$np_" 100 "$OUT/engine.log" $MPIRUN -n $np_ python3 tests/gpu/programs/gpu_checks.py
     done
@@ -111,7 +114,7 @@ job_engine() {
     core_suite 2 numpy 10 100 "$OUT/engine.log"
     core_suite 2 torch-cpu 10 100 "$OUT/engine.log" ) &
   wait
-  grep -h "passed\|failed" "$OUT/engine-pytest.log" | tail -1 >>"$S"
+  grep -h "passed\|failed" "$OUT/engine-pytest.log" | tail -2 >>"$S"
 }
 job_mps() {
   mps_start

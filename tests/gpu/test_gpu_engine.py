@@ -4,11 +4,11 @@ GPUs; several PEs may share one GPU) with a timeout each."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
+from tests.gpu import unavailable_reason
 from tests.mpirun import check, run_mpi
 
 pytestmark = pytest.mark.gpu
@@ -16,21 +16,7 @@ pytestmark = pytest.mark.gpu
 PROGRAMS = Path(__file__).parent / "programs"
 
 
-def _reason() -> str | None:
-    try:
-        from dask_pgas.engines.nvshmem import NVSHMEMEngine
-    except ImportError as exc:  # pragma: no cover
-        return str(exc)
-    if shutil.which("mpirun") is None and shutil.which("mpiexec") is None:
-        return "no mpirun/mpiexec on PATH"
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        return "the GPU programs use CuPy"
-    return NVSHMEMEngine.unavailable_reason()
-
-
-_why = _reason()
+_why = unavailable_reason()
 if _why is not None:
     pytest.skip(f"GPU engine unavailable: {_why}", allow_module_level=True)
 

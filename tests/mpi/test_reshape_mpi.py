@@ -6,9 +6,29 @@ import re
 
 import pytest
 
+from tests.gpu import unavailable_reason
 from tests.mpirun import check, run_cases, run_mpi
 
 pytestmark = pytest.mark.mpi
+
+
+def _engines():
+    """(backend, package) pairs the collective-check programs run on: the MPI engine everywhere, the NVSHMEM
+    engine with CuPy and torch CUDA operands where a GPU stack is present (the GPU host)."""
+    why = unavailable_reason()
+    gpu = [pytest.mark.gpu, pytest.mark.skipif(why is not None, reason=f"GPU engine unavailable: {why}")]
+    return [pytest.param(("mpi", "numpy"), id="mpi-numpy"),
+            pytest.param(("nvshmem", "cupy"), id="nvshmem-cupy", marks=gpu),
+            pytest.param(("nvshmem", "torch"), id="nvshmem-torch", marks=gpu)]
+
+
+def _engine_args(engine) -> list[str]:
+    backend, package = engine
+    if package == "torch":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("torch has no CUDA here")
+    return ["--backend", backend, "--package", package]
 
 
 @pytest.mark.parametrize("nranks", [1, 2, 3, 4])
@@ -34,9 +54,10 @@ def test_random_layouts_with_and_without_packing(pack):
     check(result, 3)
 
 
+@pytest.mark.parametrize("engine", _engines())
 @pytest.mark.parametrize("nranks", [2, 3])
-def test_bad_inputs_raise_the_same_error_on_every_rank(nranks):
-    _, outcomes = run_cases("bad_inputs.py", nranks, timeout=180)  # hangs fail; ranks agree
+def test_bad_inputs_raise_the_same_error_on_every_rank(nranks, engine):
+    _, outcomes = run_cases("bad_inputs.py", nranks, *_engine_args(engine), timeout=180)  # hangs fail; ranks agree
     assert len(outcomes) == 16, sorted(outcomes)
     for name, outcome in outcomes.items():
         if name.endswith("(not an error)"):
@@ -49,12 +70,21 @@ def test_bad_inputs_raise_the_same_error_on_every_rank(nranks):
     assert outcomes["dtypes differ across ranks"]["raised"] == "OperandMismatchError"
 
 
+@pytest.mark.parametrize("engine", _engines())
 @pytest.mark.parametrize("nranks", [1, 3])
-def test_symmetric_memory_rules(nranks):
-    _, outcomes = run_cases("symmetric_memory.py", nranks, timeout=180)  # hangs fail; ranks agree
-    assert len(outcomes) >= (15 if nranks > 1 else 13), sorted(outcomes)
+def test_symmetric_memory_rules(nranks, engine):
+    _, outcomes = run_cases("symmetric_memory.py", nranks, *_engine_args(engine), timeout=180)  # no hang; agreed
+    assert len(outcomes) >= (22 if nranks > 1 else 18), sorted(outcomes)
     for outcome in outcomes.values():
         assert outcome["raised"] == outcome["expect"], outcome
+    # a freed operand (or a view into freed memory) is refused by name, never read
+    freed = [name for name in outcomes if "freed symmetric" in name or "was freed" in name or "allocation was" in name]
+    assert len(freed) == (6 if nranks > 1 else 4), freed
+    for name in freed:
+        message = outcomes[name]["message"]
+        assert "the operand was freed with free_symmetric_memory()" in message, (name, message)
+        if name.endswith("on one rank"):
+            assert "rank 1: the operand was freed" in message, (name, message)
 
 
 def test_seed_example_runs_as_written():

@@ -270,26 +270,7 @@ def reset_none_on_one_rank():
 case("reset_operand(None) on one rank", reset_none_on_one_rank, "ValueError")
 
 
-# -- D7: a freed symmetric operand is refused, never read ------------------------------------------------------------
-def reshape_of_freed(ranks, view=False):
-    a = symmetric(col())
-    v = a[:, ::-1][:, ::-1] if view else a  # (a view of a view: its base is the freed array)
-    live = symmetric(col(), -GLOBAL)
-    dask_pgas.free_symmetric_memory(a)
-    junk = symmetric(col(), GLOBAL * 0 - 5)  # may take the freed memory's place
-    b = None
-    try:
-        b = reshape(v if RANK in ranks else live, col(), row())
-    finally:
-        release(live, junk, b)
-
-
-case("reshape of a freed symmetric operand", lambda: reshape_of_freed(set(range(SIZE))), "SymmetricMemoryError")
-case("reshape of a freed symmetric operand on one rank", lambda: reshape_of_freed({1}), "SymmetricMemoryError")
-case("reshape of a view of a freed symmetric array", lambda: reshape_of_freed(set(range(SIZE)), True),
-     "SymmetricMemoryError")  # (it read the allocation that took the freed one's address)
-case("reshape of a view of a freed symmetric array on one rank", lambda: reshape_of_freed({1}, True),
-     "SymmetricMemoryError")
+# -- D7: freed symmetric operands: symmetric_memory.py (on every backend and package)
 
 
 def redistribute_beside_reshape():
@@ -303,28 +284,6 @@ def redistribute_beside_reshape():
 
 
 case("Redistribute on one rank, Reshape on the others", redistribute_beside_reshape)
-
-
-def execute_after_operand_freed(view):
-    """After the operand's allocation is freed, a new allocation of the same size can take its address;
-    execute() must see that the operand's own allocation is gone, also when the operand is a view of it (it read
-    the new allocation)."""
-    a = symmetric(col())
-    r = planned(a[:] if view else a)
-    dask_pgas.free_symmetric_memory(a)
-    junk = symmetric(col(), GLOBAL * 0 - 5)
-    b = None
-    try:
-        b = r.execute()
-    finally:
-        r.free()
-        release(junk, b)
-
-
-case("execute after its symmetric operand was freed", lambda: execute_after_operand_freed(False),
-     "SymmetricMemoryError")
-case("execute after a view operand's allocation was freed", lambda: execute_after_operand_freed(True),
-     "SymmetricMemoryError")
 
 
 def operand_changed_in_place_on_one_rank(change):

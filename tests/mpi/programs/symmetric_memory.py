@@ -12,7 +12,9 @@ import numpy as np
 from _common import COMM, RANK, SIZE, initialize, options, outcome_of, report_case, report_ok
 
 import dask_pgas
-from dask_pgas import errors
+from dask_pgas import Reshape, errors
+from dask_pgas.distribution import Box
+from dask_pgas.reshape import reshape
 
 opts = options()
 PKG = opts.package
@@ -152,6 +154,69 @@ def different_allocations():
 
 if SIZE > 1:
     case("ranks free different allocations", different_allocations, "SymmetricMemoryError")
+
+
+# -- freed operands are refused, never read (on every backend and package) ---------------------------------------
+N = 4 * SIZE  # global shape (N, N): column slabs -> row slabs
+COL = Box((0, 4 * RANK), (N, 4 * RANK + 4))
+ROW = Box((4 * RANK, 0), (4 * RANK + 4, N))
+
+
+def filled(value):
+    a = dask_pgas.allocate_symmetric_memory(COL.box_shape, PKG, dtype=dtype_for("float64"))
+    a[...] = value
+    return a
+
+
+def release(*arrays):
+    sym = [a for a in arrays if a is not None and dask_pgas.memory.is_symmetric_memory(a)]
+    if sym:
+        dask_pgas.free_symmetric_memory(*sym)
+
+
+def reshape_of_freed(ranks, view=False):
+    """After a free, a new allocation of the same size may take the freed memory's address: reshape() read it
+    when given a view of the freed array. The ranks in ``ranks`` pass the freed array (or a view of a view of it);
+    the others a live one."""
+    a = filled(1.0)
+    v = a.T.T if view else a
+    live = filled(2.0)
+    dask_pgas.free_symmetric_memory(a)
+    junk = filled(-5.0)  # may take the freed memory's place
+    b = None
+    try:
+        b = reshape(v if RANK in ranks else live, COL, ROW)
+    finally:
+        release(live, junk, b)
+
+
+def execute_after_operand_freed(view):
+    """The same for a planned Reshape whose operand (or the allocation its view operand looks into) is freed."""
+    a = filled(1.0)
+    r = Reshape(a.T.T if view else a, COL, ROW)
+    r.plan()
+    dask_pgas.free_symmetric_memory(a)
+    junk = filled(-5.0)
+    b = None
+    try:
+        b = r.execute()
+    finally:
+        r.free()
+        release(junk, b)
+
+
+case("reshape of a freed symmetric operand", lambda: reshape_of_freed(set(range(SIZE))), "SymmetricMemoryError")
+case("reshape of a view of a freed symmetric array", lambda: reshape_of_freed(set(range(SIZE)), True),
+     "SymmetricMemoryError")
+case("execute after its symmetric operand was freed", lambda: execute_after_operand_freed(False),
+     "SymmetricMemoryError")
+case("execute after a view operand's allocation was freed", lambda: execute_after_operand_freed(True),
+     "SymmetricMemoryError")
+if SIZE > 1:
+    case("reshape of a freed symmetric operand on one rank", lambda: reshape_of_freed({1}), "SymmetricMemoryError")
+    case("reshape of a view of a freed symmetric array on one rank", lambda: reshape_of_freed({1}, True),
+         "SymmetricMemoryError")
+case("no symmetric memory left after the freed-operand cases", _assert_empty)
 
 
 def heap_usage_while_a_peer_is_late():
