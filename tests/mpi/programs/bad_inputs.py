@@ -88,9 +88,19 @@ case("input and output domains differ", lambda: run(
 case("dtypes differ across ranks", lambda: run(
     operand(col().box_shape, "float32" if RANK == 1 else "float64"), col(), row()
 ))
-case("operand is not an array on one rank", lambda: reshape(
-    [[0.0] * 4] * N if RANK == 1 else np.zeros(col().box_shape), col(), row()
-) if not GPU else run(operand(col().box_shape) if RANK != 1 else [[0.0] * 4] * N, col(), row()))
+
+
+def with_operand(fn):
+    """``fn(a)`` with ``a`` allocated on every rank (a collective allocation on the GPU engine), freed after."""
+    a = operand(col().box_shape)
+    try:
+        release(fn(a))
+    finally:
+        release(a)
+
+
+case("operand is not an array on one rank", lambda: with_operand(
+    lambda a: reshape(a if RANK != 1 else [[0.0] * 4] * N, col(), row())))
 case("box given as a malformed pair on one rank", lambda: run(
     operand(col().box_shape), ((0, 0, 0),) if RANK == 0 else col(), row()
 ))
@@ -132,9 +142,8 @@ def _off_heap(shape):
 
 
 case("GPU operand not on the symmetric heap" if GPU else "symmetric operand on some ranks only", mixed_memory)
-case("options' logger is not a logger on one rank", lambda: run(  # (it was first used after the exchange)
-    operand(col().box_shape), col(), row()) if RANK else reshape(
-    operand(col().box_shape, symmetric=False), col(), row(), options={"logger": "not-a-logger"}))
+case("options' logger is not a logger on one rank", lambda: with_operand(  # (first used after the exchange)
+    lambda a: reshape(a, col(), row(), options={"logger": "not-a-logger"} if RANK == 0 else None)))
 
 
 def unpicklable_dtype_metadata():

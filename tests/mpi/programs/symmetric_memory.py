@@ -66,7 +66,8 @@ case("equal sizes allocate and free", equal_sizes)
 def padded():
     a = dask_pgas.allocate_symmetric_memory((RANK + 1, 2), PKG, make_symmetric=True)
     assert tuple(a.shape) == (RANK + 1, 2)
-    assert dask_pgas.heap_usage()["bytes"] == SIZE * 2 * 8, dask_pgas.heap_usage()
+    itemsize = a.element_size() if PKG == "torch" else a.itemsize  # (the package's default dtype: float32 in torch)
+    assert dask_pgas.heap_usage()["bytes"] == SIZE * 2 * itemsize, dask_pgas.heap_usage()
     dask_pgas.free_symmetric_memory(a)
 
 
