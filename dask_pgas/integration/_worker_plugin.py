@@ -137,7 +137,8 @@ class _OutputPool:
     A fresh ``np.empty`` per run costs a page fault per page inside the collective (about half the time of
     the transfer itself on a 2-core box); a block goes back to the pool when the last view of it dies. Idle
     blocks are capped by config ``pgas.output-pool`` (0 disables the pool) and by a tenth of the worker's
-    memory limit (Dask cannot spill them), and the plugin empties the pool when the worker's memory runs high.
+    memory limit (Dask cannot spill them), and the plugin empties the pool when the worker's memory runs high
+    and at teardown. Blocks leased before a :meth:`clear` do not come back to the pool when their chunks die.
     """
 
     #: share of the worker's memory limit that idle blocks may take at most
@@ -147,6 +148,7 @@ class _OutputPool:
         self._lock = threading.Lock()
         self._free: dict[int, list] = {}
         self.idle = 0
+        self._generation = 0  # bumped by clear(): blocks leased before it are not taken back
         self.memory_limit = memory_limit
 
     def limit(self) -> int:
@@ -170,6 +172,7 @@ class _OutputPool:
             raw = blocks.pop() if blocks else None
             if raw is not None:
                 self.idle -= nbytes
+            generation = self._generation
         if raw is None:
             raw = np.empty(nbytes, np.uint8)
         # the lease is bytes, viewed as the dtype: an array interface's ``descr`` cannot carry a struct's
@@ -178,12 +181,12 @@ class _OutputPool:
         out = np.asarray(lease).view(dtype).reshape(shape)
         import weakref
 
-        weakref.finalize(lease, self._release, raw, limit)
+        weakref.finalize(lease, self._release, raw, limit, generation)
         return out
 
-    def _release(self, raw, limit: int) -> None:
+    def _release(self, raw, limit: int, generation: int) -> None:
         with self._lock:
-            if self.idle + raw.nbytes <= limit:
+            if generation == self._generation and self.idle + raw.nbytes <= limit:
                 self._free.setdefault(raw.nbytes, []).append(raw)
                 self.idle += raw.nbytes
 
@@ -192,6 +195,7 @@ class _OutputPool:
         with self._lock:
             freed, self.idle = self.idle, 0
             self._free.clear()
+            self._generation += 1
         return freed
 
 

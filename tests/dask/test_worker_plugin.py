@@ -237,6 +237,24 @@ def test_pooled_output_blocks_keep_the_dtype(plugin, dtype):
     assert plugin._pool.idle == shape[0] * shape[1] * dt.itemsize
 
 
+def test_blocks_leased_before_a_clear_do_not_refill_the_pool(plugin):
+    """Teardown (or high memory) empties the pool; the chunks of earlier results that die afterwards used to
+    refill it up to its cap, so a torn-down worker kept that memory."""
+    import numpy as np
+
+    shape = (2**20 // 8,)
+    kept = [plugin._pool.empty(shape, np.float64) for _ in range(2)]
+    again = plugin._pool.empty(shape, np.float64)
+    del again  # back to the pool
+    assert plugin._pool.idle == 2**20
+    assert plugin._pool.clear() == 2**20
+    del kept  # leased before the clear: not taken back
+    assert plugin._pool.idle == 0
+    out = plugin._pool.empty(shape, np.float64)  # leased after it: recycled as before
+    del out
+    assert plugin._pool.idle == 2**20
+
+
 def test_a_rechunk_computed_again_drops_its_old_output(plugin, monkeypatch):
     """Keys released while the barrier task ran, then computed again, start a second run of the same rechunk
     before the scheduler forgets the first, and its forget names only the second: the first run's output box
