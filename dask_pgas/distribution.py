@@ -61,8 +61,11 @@ def _check_rank(rank: int, nranks: int | None) -> None:
 def _check_to(cls: object, ndim: int | None, own_ndim: int | None) -> None:
     if not (isinstance(cls, type) and issubclass(cls, Distribution) and cls is not Distribution):
         raise ValueError(f"{cls!r} is not a valid distribution")
-    if ndim is not None and own_ndim is not None and ndim != own_ndim:
-        raise ValueError(f"ndim argument ({ndim}) doesn't match this distribution's dimensionality ({own_ndim})")
+    if ndim is not None and (isinstance(ndim, bool) or not isinstance(ndim, int) or ndim < 1):
+        raise ValueError(f"ndim must be an integer >= 1, got {ndim!r}")
+    if ndim is not None and own_ndim is not None and ndim < own_ndim:
+        raise ValueError(f"ndim argument ({ndim}) is below this distribution's dimensionality ({own_ndim}): a "
+                         "distribution can be promoted to more dimensions (trailing size-1 ones), never fewer")
 
 
 class Distribution:
@@ -158,10 +161,14 @@ class Box(Distribution):
     def to(self, cls: type, /, *, ndim: int | None = None, copy: bool = False) -> Box:
         """This distribution as one of type ``cls`` (as nvmath's ``Distribution.to``): a Box converts only to a
         Box (:class:`ConvertDistributionError` for another distribution, ``ValueError`` for anything that is not
-        a distribution class, as in nvmath)."""
+        a distribution class, as in nvmath). A larger ``ndim`` promotes it with trailing size-1 dimensions (as
+        nvmath 1.0): ``Box((0, 0), (4, 2)).to(Box, ndim=3)`` is ``Box((0, 0, 0), (4, 2, 1))``."""
         _check_to(cls, ndim, self.ndim)
         if not issubclass(cls, Box):
             raise ConvertDistributionError(f"a Box cannot be converted to {cls.__name__}: it is one process's piece")
+        if ndim is not None and ndim > self.ndim:
+            extra = ndim - self.ndim
+            return Box(self._lower + (0,) * extra, self._upper + (1,) * extra)
         return self.copy() if copy else self
 
     @property
@@ -292,8 +299,8 @@ class Slab(Distribution):
 
     def to(self, cls: type, /, *, ndim: int | None = None, copy: bool = False) -> Slab:
         """As one of type ``cls`` (as nvmath's ``Distribution.to``): a Slab converts to a Slab (of ``ndim``
-        dimensions when given); to a Box only inside a reshape, where the global shape is known
-        (:class:`ConvertDistributionError` here)."""
+        dimensions when given: at least its own, as nvmath 1.0 promotes with trailing size-1 dimensions); to a
+        Box only inside a reshape, where the global shape is known (:class:`ConvertDistributionError` here)."""
         _check_to(cls, ndim, self._ndim)
         if not issubclass(cls, Slab):
             raise ConvertDistributionError(
@@ -302,7 +309,7 @@ class Slab(Distribution):
             )
         if ndim is not None and self._partition_dim >= ndim:
             raise ValueError(f"ndim ({ndim}) must be greater than the partition dimension ({self._partition_dim})")
-        if copy or (ndim is not None and self._ndim is None):
+        if copy or (ndim is not None and ndim != self._ndim):
             return Slab(self._partition_dim, ndim if ndim is not None else self._ndim)
         return self
 

@@ -47,8 +47,11 @@ def test_box_shape_and_to_like_nvmath():
     assert b.to(Box) is b and b.to(Box, ndim=2) is b
     c = b.to(Box, copy=True)
     assert c == b and c is not b
-    with pytest.raises(ValueError, match="ndim"):
-        b.to(Box, ndim=3)
+    # nvmath 1.0 promotes to more dimensions with trailing size-1 ones, never to fewer
+    assert b.to(Box, ndim=3) == Box((0, 2, 0), (4, 6, 1)) and b.to(Box, ndim=4).box_shape == (4, 4, 1, 1)
+    for ndim in (1, 0, 2.0, True):
+        with pytest.raises(ValueError, match="ndim"):
+            b.to(Box, ndim=ndim)
     for other in (tuple, "Box", None):  # not a distribution class: ValueError, as nvmath's _to_checks
         with pytest.raises(ValueError, match="not a valid distribution"):
             b.to(other)
@@ -77,6 +80,9 @@ def test_slab_api_like_nvmath():
     assert pickle.loads(pickle.dumps(Slab(2, 4))) == Slab(2, 4)
     assert Slab.X.to(Slab) is Slab.X and Slab.X.to(Slab, ndim=2) == Slab(0, 2) and Slab.X.to(Slab, ndim=2).ndim == 2
     assert Slab.X.to(Slab, copy=True) is not Slab.X
+    assert Slab(0, 2).to(Slab, ndim=3).ndim == 3 and Slab(0, 2).to(Slab, ndim=2).ndim == 2
+    with pytest.raises(ValueError, match="never fewer"):
+        Slab(0, 3).to(Slab, ndim=2)
     for bad in [(-1, None), (True, None), (2, 2), (0, 0)]:
         with pytest.raises(ValueError):
             Slab(*bad)
