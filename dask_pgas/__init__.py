@@ -15,7 +15,7 @@ from ._version import __version__
 from .distribution import Box, Slab
 from .engines.nvshmem import get_nvshmem_uniqueid, initialize_from_uniqueid
 from .memory import allocate_symmetric_memory, free_symmetric_memory, heap_usage
-from .process_group import MPIProcessGroup
+from .process_group import MPIProcessGroup, ProcessGroup
 from .reshape import Redistribute, RedistributeOptions, Reshape, ReshapeOptions
 from .runtime import (
     DistributedContext,
@@ -31,6 +31,7 @@ __all__ = [
     "Box",
     "DistributedContext",
     "MPIProcessGroup",
+    "ProcessGroup",
     "Redistribute",
     "RedistributeOptions",
     "Reshape",

@@ -155,17 +155,19 @@ def _local_setup(backends: Any) -> tuple[type[Exception] | None, str, list[str],
 
 def initialize(
     device_id: int | None = None,
-    communicator: Any = None,
+    process_group: Any = None,
     backends: Sequence[str] | None = None,
+    *,
+    communicator: Any = None,
 ) -> None:
-    """Bring up the PGAS runtime on every rank of ``communicator`` (collective).
+    """Bring up the PGAS runtime on every rank of ``process_group`` (collective).
 
     Args:
         device_id: CUDA device for the ``"nvshmem"`` backend (default: the local rank on the node, modulo the
             number of visible devices). Ignored by ``"mpi"``.
-        communicator: an mpi4py communicator (default ``MPI.COMM_WORLD``), or an
-            :class:`~dask_pgas.process_group.MPIProcessGroup` of one (as nvmath 0.9 and 1.0 take); the runtime
-            works on a duplicate.
+        process_group: an :class:`~dask_pgas.process_group.MPIProcessGroup` (as nvmath 0.9 and 1.0 take) or an
+            mpi4py communicator (default ``MPI.COMM_WORLD``); the runtime works on a duplicate.
+        communicator: the same, by the name nvmath's earlier releases gave it (give one of the two).
         backends: backends to start, from ``"mpi"`` and ``"nvshmem"``. Default: ``["nvshmem"]`` when a GPU and
             the NVSHMEM/cuFFTMp libraries are present on every rank, else ``["mpi"]``.
 
@@ -177,17 +179,24 @@ def initialize(
         RuntimeStateError: already initialized on some rank (call :func:`finalize` first).
         BackendUnavailableError: an unknown or empty ``backends``, different backends on different ranks, or a
             backend that cannot run here (on any rank); says which rank and what is missing.
-        TypeError: ``backends`` is not a sequence of names (on any rank); ``communicator`` is a process group
-            other than an MPI one (local: without a communicator there is nothing to agree over).
+        TypeError: ``backends`` is not a sequence of names, or both ``process_group`` and ``communicator`` are
+            given (on any rank); the group is not an MPI one (local: without a communicator there is nothing to
+            agree over).
     """
     global _owner_pid, _communicator
+    group = process_group if process_group is not None else communicator
+    both = process_group is not None and communicator is not None and process_group is not communicator
     with _lock:
-        comm = communicator_of(communicator) if communicator is not None else _default_communicator()
+        comm = communicator_of(group) if group is not None else _default_communicator()
         if is_initialized() and _same_ranks(comm, _communicator):
             # initializing the running world again: ranks making another call there meet this one and all raise
             # (with another communicator, e.g. a part of the world, only its ranks are here: the exchange below)
             _control_plane().agree(None, "initialize()")
-        everywhere = comm.allgather(_local_setup(backends))  # the one exchange: every rank decides alike
+        local = _local_setup(backends)
+        if both and local[0] is None:  # (the process group given is the one this rank agrees over)
+            local = (TypeError, "initialize() takes the process group once: give process_group (nvmath 0.9, 1.0) "
+                     "or communicator (earlier nvmath), not both", *local[2:])
+        everywhere = comm.allgather(local)  # the one exchange: every rank decides alike
         for rank, (cls, message, *_) in enumerate(everywhere):
             if cls is not None:
                 raise cls(f"rank {rank}: {message}")

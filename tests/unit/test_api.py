@@ -193,6 +193,28 @@ def test_allocations_and_reshapes_are_numbered_per_world():
     assert names == ["Reshape#1", "Reshape#1"]
 
 
+def test_initialize_takes_the_process_group_by_either_name():
+    """nvmath 0.9 and 1.0 name initialize's second argument ``process_group``; earlier releases ``communicator``.
+    Both names work, giving both raises (every rank, through the exchange), and ProcessGroup is public."""
+    from mpi4py import MPI
+
+    assert issubclass(dask_pgas.MPIProcessGroup, dask_pgas.ProcessGroup)
+    for kwargs in ({"process_group": dask_pgas.MPIProcessGroup(MPI.COMM_SELF)}, {"process_group": MPI.COMM_SELF},
+                   {"communicator": MPI.COMM_SELF}):
+        dask_pgas.initialize(None, backends=["mpi"], **kwargs)
+        try:
+            assert dask_pgas.get_context().nranks == 1
+        finally:
+            dask_pgas.finalize()
+    other = MPI.COMM_SELF.Dup()
+    try:
+        with pytest.raises(TypeError, match="rank 0: initialize.. takes the process group once"):
+            dask_pgas.initialize(None, MPI.COMM_SELF, ["mpi"], communicator=other)
+    finally:
+        other.Free()
+    assert not dask_pgas.is_initialized()
+
+
 def test_single_process_reshape_in_this_process():
     """One rank (MPI singleton): a reshape is a re-slice of the whole array."""
     from mpi4py import MPI
