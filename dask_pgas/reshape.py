@@ -231,7 +231,9 @@ class Reshape:
             operands, and each rank's operand must have its slab's shape).
         output_box: the part this rank will hold after the reshape (a Box, or a Slab on every rank).
         options: :class:`ReshapeOptions` or a dict of its fields; ``blocking`` must be the same on every rank.
-        stream: CUDA stream (CuPy/torch stream or raw handle) for GPU operands; ignored on CPU.
+        stream: accepted for ``nvmath.distributed`` compatibility (nvmath orders the constructor's own copy of a
+            host operand on it; this constructor makes none). As in nvmath, :meth:`plan` and :meth:`execute` run on
+            the stream given to them, else on the operand package's current stream at that call.
 
     The result of :meth:`execute` is a new array of the output box's shape, of the operand's package (a torch CPU
     tensor for a torch CPU operand, which is moved as its NumPy view), in the operand's memory order. When the
@@ -258,7 +260,6 @@ class Reshape:
         options: ReshapeOptions | dict | None = None,
         stream: Any = None,
     ) -> None:
-        self._stream = stream
         self._plan: ReshapePlan | None = None
         self._results: list[Any] = []
         self._freed = False
@@ -614,7 +615,8 @@ class Reshape:
         """Run the reshape (collective) and return this rank's output box as a new array.
 
         Args:
-            stream: CUDA stream for GPU operands (default: the one given to the constructor); ignored on CPU.
+            stream: CUDA stream (CuPy/torch stream or raw handle) for GPU operands (default: the operand
+                package's current stream, as in nvmath); ignored on CPU.
             release_workspace: accepted for ``nvmath.distributed`` compatibility and ignored: the MPI engine has
                 no workspace, and the GPU engine's cuFFTMp workspace (none in practice) lives until :meth:`free`.
             sync_symmetric_memory: synchronize symmetric memory across ranks before the reshape (GPU engine).
@@ -641,6 +643,11 @@ class Reshape:
                 local = self._local(self._source)
             except Exception as exc:
                 error = (type(exc), str(exc))
+        if error is None:
+            try:  # a GPU stream the engine cannot use raises here, on every rank, not inside the collective
+                stream = self._engine.resolve_stream(stream, self._package)
+            except Exception as exc:
+                error = (type(exc), f"execute(stream=...): {exc}")
         # the only exchange on the hot path when all is well; sync_symmetric_memory decides a collective step
         try:
             sync = ("sync_symmetric_memory", bool(sync_symmetric_memory))
@@ -673,7 +680,6 @@ class Reshape:
             padded = max(b.size for b in self._spec.output_boxes) * self._spec.dtype.itemsize
             dtype = self._spec.dtype if self._tensor_dtype is None else self._tensor_dtype
             result = _allocate_internal(self._engine, padded, shape, dtype, self._package, order)
-        stream = stream if stream is not None else self._stream
         blocking = self.options.blocking
         blocks = blocking is True or (blocking == "auto" and self._package == "numpy")
         self.logger.info("%s: execute() starts (%s, sync_symmetric_memory=%s)", self._name,

@@ -219,6 +219,12 @@ class Engine(ABC):
     def plan_reshape(self, spec: ReshapeSpec) -> ReshapePlan:
         """Collective: a plan for a validated spec."""
 
+    def resolve_stream(self, stream: Any, package: str) -> Any:
+        """The stream a plan's ``execute`` gets for operands of ``package`` (raises ``TypeError`` for one it
+        cannot use): called before the call's agreement, so a bad stream on one rank raises on every rank. CPU
+        engines ignore streams."""
+        return None
+
     def empty(self, shape: Sequence[int], dtype: Any, package: str, order: str = "C") -> Any:
         """An ordinary (not symmetric) local array for results of operands off the heap."""
         if package != "numpy":

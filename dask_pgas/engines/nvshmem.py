@@ -206,9 +206,13 @@ def _ptr(array: Any) -> int:
     mod = type(array).__module__
     if mod.startswith("cupy"):
         return int(array.data.ptr)
-    # torch reports data_ptr() == 0 for empty tensors; cuFFTMp still needs the symmetric address of every PE's
-    # buffers (it derives peers' addresses from the local ones), so as_array remembers it
-    return int(getattr(array, "_dask_pgas_ptr", 0) or array.data_ptr())
+    # torch reports data_ptr() == 0 for empty tensors; cuFFTMp and the peer path still need the symmetric address
+    # of every PE's buffers (they derive peers' addresses from the local ones), so as_array remembers it on the
+    # tensor and on its root, which every view of it (permute, view, reshape) has as ``_base``
+    ptr = array.data_ptr()
+    if not ptr:
+        ptr = getattr(array, "_dask_pgas_ptr", 0) or getattr(array._base, "_dask_pgas_ptr", 0)
+    return int(ptr)
 
 
 def _package(array: Any) -> str:
@@ -647,9 +651,14 @@ class NVSHMEMEngine(Engine):
             else:
                 t = t.view(shape)
             if count == 0:
-                t._dask_pgas_ptr = allocation.ptr
+                t._dask_pgas_ptr = raw._dask_pgas_ptr = allocation.ptr
             return t
         raise UnsupportedOperandError(f"the nvshmem engine allocates cupy or torch arrays, not {package}")
+
+    def resolve_stream(self, stream: Any, package: str) -> Any:
+        """The raw handle of ``stream`` (default: the package's current stream); None for host operands, which
+        are staged on the engine's own stream."""
+        return None if package == "numpy" else stream_handle(stream, package)
 
     def on_heap(self, array: Any) -> bool:
         if isinstance(array, np.ndarray):
@@ -812,7 +821,13 @@ class NVSHMEMReshapePlan(ReshapePlan):
     def _staging(self) -> tuple[int, int]:
         if self._stage is None:
             size = max(self.spec.max_nbytes, 1)
-            self._stage = (self.engine.allocate(size), self.engine.allocate(size))
+            first = self.engine.allocate(size)
+            try:
+                second = self.engine.allocate(size)
+            except BaseException:  # refused alike on every PE (agreed inside allocate): every PE frees the first
+                self.engine.free(first)
+                raise
+            self._stage = (first, second)
         return self._stage[0].ptr, self._stage[1].ptr
 
     def execute(self, src: Any, dst: Any, *, stream: Any = None, sync_symmetric_memory: bool = True) -> None:
@@ -822,7 +837,7 @@ class NVSHMEMReshapePlan(ReshapePlan):
         if pkg == "numpy":
             self._execute_host(src, dst)
             return
-        handle = stream_handle(stream, pkg)
+        handle = stream if isinstance(stream, int) else stream_handle(stream, pkg)
         self._last_stream = handle
         self._run(_ptr(src), _ptr(dst), handle, sync_symmetric_memory)
 
@@ -852,6 +867,18 @@ class NVSHMEMReshapePlan(ReshapePlan):
         if self.mode == "copy":
             self.engine.drv.memcpy_async(dst, src, self.nbytes_out, stream)
         elif self.mode == "cufftmp":
+            word = self.layout.word_size
+            if src % word or dst % word:
+                # a view at an offset inside its allocation (the same offset on every PE, agreed with the
+                # operand's heap position): cuFFTMp's kernels move words of this size and need them aligned
+                if not self.engine.peers_mapped:
+                    raise UnsupportedOperandError(
+                        f"the operand starts {src % word} bytes past a {word}-byte boundary, and cuFFTMp moves "
+                        f"{word}-byte words here; pass a view that starts at a multiple of {word} bytes into its "
+                        "allocation (or the allocation itself)")
+                _trace(self.spec.rank, f"execute: pointers not {word}-byte aligned, peer copies")
+                self._run_peer(src, dst, stream)
+                return
             if sync:
                 self.engine.nv.sync_all_on_stream(stream)
             self._cf.execute(self._handle, dst, src, self._workspace.ptr if self._workspace else 0, stream)

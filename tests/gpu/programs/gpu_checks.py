@@ -347,6 +347,76 @@ def main():
 
     check("symmetric-positions-agreed", symmetric_positions_agreed)
 
+    def misaligned_view_operand():
+        # a view 8 bytes into its allocation (the same on every rank) while the boxes let cuFFTMp move 16-byte
+        # words: the pointers are not 16-byte aligned, so the reshape takes the peer copies (it ran cuFFTMp's
+        # double2 kernels on a misaligned pointer); the boxes' bounds are all even, so the plan picks 16
+        n = 4 * SIZE
+        g = np.arange(n, dtype=np.float64)
+        ins = [Box((4 * r,), (4 * r + 4,)) for r in range(SIZE)]
+        outs = [Box((max(4 * r - 2, 0),), (4 * r + 2 if r < SIZE - 1 else n,)) for r in range(SIZE)]
+        a = sym(np.concatenate([[-1.0], g[4 * RANK: 4 * RANK + 4]]))
+        try:
+            with Reshape(a[1:], ins[RANK], outs[RANK]) as r:
+                r.plan()
+                if SIZE > 1:
+                    assert r._plan.mode == "cufftmp" and r._plan.layout.word_size == 16, (
+                        r._plan.mode, r._plan.layout and r._plan.layout.word_size)
+                out = r.execute()
+                cp.cuda.Device().synchronize()
+                assert np.array_equal(cp.asnumpy(out), piece(g, outs[RANK])), cp.asnumpy(out)
+                dask_pgas.free_symmetric_memory(out)
+        finally:
+            dask_pgas.free_symmetric_memory(a)
+
+    check("misaligned-view-operand", misaligned_view_operand)
+
+    def streams_as_nvmath():
+        # execute() without a stream runs on the package's current stream at that call (as nvmath), not on the
+        # constructor's; a stream the engine cannot use, on one rank, raises on every rank before the collective
+        s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+        g = glob(shape, "float64", seed=7)
+        a = sym(piece(g, c2r[0][RANK]))
+        try:
+            with Reshape(a, c2r[0][RANK], c2r[1][RANK], stream=s1) as r:
+                r.plan()
+                with s2:
+                    out = r.execute()
+                assert r._plan._last_stream == s2.ptr, (r._plan._last_stream, s1.ptr, s2.ptr)
+                s2.synchronize()
+                assert np.array_equal(cp.asnumpy(out), piece(g, c2r[1][RANK]))
+                dask_pgas.free_symmetric_memory(out)
+                try:
+                    out = r.execute(stream="not a stream" if RANK == SIZE - 1 else None)
+                except TypeError as exc:
+                    assert f"rank {SIZE - 1}: execute(stream=...)" in str(exc), exc
+                else:
+                    dask_pgas.free_symmetric_memory(out)
+                    raise AssertionError("a bad stream did not raise")
+                out = r.execute()  # still usable
+                dask_pgas.free_symmetric_memory(out)
+        finally:
+            dask_pgas.free_symmetric_memory(a)
+
+    check("streams-as-nvmath", streams_as_nvmath)
+
+    def empty_torch_views_keep_their_address():
+        # an empty torch tensor reports data_ptr() 0; the engine needs its symmetric address, also through a
+        # permuted allocation (axis_order) and views of it
+        import torch
+
+        from dask_pgas.engines.nvshmem import _ptr
+
+        t = dask_pgas.allocate_symmetric_memory((0, 3, 2), torch, dtype=torch.float32, axis_order=(2, 0, 1))
+        u = dask_pgas.allocate_symmetric_memory((0, 3, 2), torch, dtype=torch.float32)
+        try:
+            assert _ptr(t) != 0 and _ptr(u) != 0
+            assert _ptr(u.view(0, 6)) == _ptr(u) == _ptr(u.permute(2, 0, 1))
+        finally:
+            dask_pgas.free_symmetric_memory(t, u)
+
+    check("empty-torch-views-keep-their-address", empty_torch_views_keep_their_address)
+
     def heap_empty():
         u = dask_pgas.heap_usage("nvshmem")
         assert u["allocations"] == 0, u
