@@ -300,15 +300,16 @@ def _copy(dst: Any, src: Any) -> None:
 class NVSHMEMControl(ControlPlane):
     """Allgather of small pickled objects without MPI: each PE writes ``len + payload`` into its slot of a
     symmetric scratch buffer, ``nvshmem_barrier_all``, then reads every peer's slot (peer-mapped memory, or
-    ``nvshmem_getmem``), and a last barrier lets the slot be reused. Payloads larger than the buffer grow it
-    collectively (every PE sees the same lengths, so every PE decides the same)."""
+    ``nvshmem_getmem`` into the second half of its own buffer: NVSHMEM takes host memory as the local side of a
+    get only once registered), and a last barrier lets the slot be reused. Payloads larger than a slot grow the
+    buffer collectively (every PE sees the same lengths, so every PE decides the same)."""
 
     def __init__(self, nv: Any, drv: Any, capacity: int = 1 << 16) -> None:
         self.nv, self.drv = nv, drv
         self.rank, self.size = nv.my_pe(), nv.n_pes()
         self._lock = threading.RLock()
         self.capacity = capacity
-        self.buf = nv.malloc(capacity)
+        self.buf = nv.malloc(2 * capacity)  # the slot, then the landing area of gets from unmapped peers
 
     def _write(self, blob: bytes) -> None:
         host = np.frombuffer(blob, dtype=np.uint8)
@@ -324,8 +325,9 @@ class NVSHMEMControl(ControlPlane):
             peer = self.nv.ptr(self.buf, pe)
             if peer:
                 self.drv.memcpy(dst, peer, nbytes)
-            else:
-                self.nv.getmem(dst, self.buf, nbytes, pe)
+            else:  # another node: get into symmetric memory, then copy to the host
+                self.nv.getmem(self.buf + self.capacity, self.buf, nbytes, pe)
+                self.drv.memcpy(dst, self.buf + self.capacity, nbytes)
         return host.tobytes()
 
     def allgather(self, obj: Any) -> list[Any]:
@@ -343,9 +345,9 @@ class NVSHMEMControl(ControlPlane):
                 self.buf = 0  # never freed twice (finalize frees self.buf)
                 capacity = 1 << (need - 1).bit_length()
                 try:
-                    self.buf = self.nv.malloc(capacity)
+                    self.buf = self.nv.malloc(2 * capacity)
                 except MemoryError:  # on every PE alike (symmetric heap): keep a working control plane
-                    self.buf = self.nv.malloc(self.capacity)
+                    self.buf = self.nv.malloc(2 * self.capacity)
                     raise
                 self.capacity = capacity
                 self._write(header + data)

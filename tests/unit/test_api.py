@@ -208,7 +208,7 @@ def test_initialize_takes_the_process_group_by_either_name():
             dask_pgas.finalize()
     other = MPI.COMM_SELF.Dup()
     try:
-        with pytest.raises(TypeError, match="rank 0: initialize.. takes the process group once"):
+        with pytest.raises(TypeError, match=r"rank 0: initialize\(\) takes the process group once"):
             dask_pgas.initialize(None, MPI.COMM_SELF, ["mpi"], communicator=other)
     finally:
         other.Free()

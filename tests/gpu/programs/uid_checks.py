@@ -52,6 +52,13 @@ assert type(eng.control).__name__ == "NVSHMEMControl", type(eng.control)
 got = eng.control.allgather({"rank": RANK, "blob": "x" * (100_000 if RANK == SIZE - 1 else 10)})
 assert [g["rank"] for g in got] == list(range(SIZE)) and len(got[-1]["blob"]) == 100_000
 assert eng.control.allgather(RANK * 3) == [3 * r for r in range(SIZE)]
+# peers on another node are not mapped: their slots come through nvshmem_getmem (forced here, one node)
+mapped, eng.control.nv.ptr = eng.control.nv.ptr, lambda addr, pe: 0 if pe != RANK else mapped(addr, pe)
+try:
+    got = eng.control.allgather({"rank": RANK, "blob": "y" * (200_000 if RANK == 0 else 5)})
+    assert [g["rank"] for g in got] == list(range(SIZE)) and len(got[0]["blob"]) == 200_000, got
+finally:
+    del eng.control.nv.ptr  # (the instance attribute: the method again)
 n = 96
 ins = [Box((0, n * i // SIZE), (n, n * (i + 1) // SIZE)) for i in range(SIZE)]
 outs = [Box((n * i // SIZE, 0), (n * (i + 1) // SIZE, n)) for i in range(SIZE)]
