@@ -37,8 +37,9 @@ class _Record:
     number: int  # the allocation's number in its world: the same on every rank (compared across ranks)
     engine: Engine
     allocation: Allocation
-    ref: weakref.ref
+    ref: weakref.ref  # the array allocate_symmetric_memory returned (what free_symmetric_memory takes)
     desc: str
+    keep: weakref.ref  # lives exactly as long as the memory is referenced (see _register)
     collected: bool = False
 
 
@@ -197,6 +198,7 @@ def allocate_symmetric_memory(
         try:
             base_shape = dims if axes is None else tuple(dims[a] for a in axes)
             array = engine.as_array(allocation, base_shape, dtype, pkg, order)
+            keeper = getattr(array, "_dask_pgas_keeper", array)
             if axes is not None:  # each base axis back to its place: the inverse permutation
                 back = tuple(int(a) for a in np.argsort(axes))
                 array = array.permute(*back) if pkg == "torch" else array.transpose(back)
@@ -205,17 +207,22 @@ def allocate_symmetric_memory(
         if bad := control.agree(error):
             engine.free(allocation)
             raise SymmetricMemoryError(f"rank {bad[0][0]}: {bad[0][1]}")
-        _register(engine, allocation, array, desc)
+        _register(engine, allocation, array, desc, keeper)
     log.debug("allocated symmetric %s (%d bytes on every rank)", desc, allocation.nbytes)
     return array
 
 
-def _register(engine: Engine, allocation: Allocation, array: Any, desc: str) -> None:
+def _register(engine: Engine, allocation: Allocation, array: Any, desc: str, keeper: Any = None) -> None:
+    """Record a new allocation. ``keeper`` lives as long as anything references the memory: the array itself for
+    NumPy and CuPy (a view keeps its base array), for torch the object its storage holds (a view keeps only the
+    storage: the tensor returned can die while a slice of it is in use)."""
+    keeper = array if keeper is None else keeper
     seq = next(_seq)
-    rec = _Record(seq, _control_plane().number("allocation"), engine, allocation, weakref.ref(array), desc)
+    rec = _Record(seq, _control_plane().number("allocation"), engine, allocation, weakref.ref(array), desc,
+                  weakref.ref(keeper))
     _live[seq] = rec
     _by_id[id(array)] = seq
-    weakref.finalize(array, _collected, seq)
+    weakref.finalize(keeper, _collected, seq)
 
 
 def _collected(seq: int) -> None:
@@ -315,13 +322,13 @@ def _in_use() -> str | None:
     """Local, at finalize: the registered allocations whose arrays are still referenced (finalize would free
     their memory under them: the next access would crash the process), or None. A view keeps its NumPy base
     array, and so its allocation, referenced."""
-    if not any(rec.ref() is not None for rec in list(_live.values())):
+    if not any(rec.keep() is not None for rec in list(_live.values())):
         return None
     import gc
 
     gc.collect()  # arrays left only in unreachable cycles are not in use
     with _lock:
-        used = [rec.desc for rec in _live.values() if rec.ref() is not None]
+        used = [rec.desc for rec in _live.values() if rec.keep() is not None]
     if not used:
         return None
     return (f"{len(used)} symmetric array(s) still in use ({', '.join(used)}): free them with "
@@ -386,7 +393,8 @@ def _allocate_internal(engine: Engine, padded_nbytes: int, shape: Sequence[int],
         except BaseException:  # the arguments are the same on every rank (a spec all agreed on): so is this
             engine.free(allocation)
             raise
-        _register(engine, allocation, array, f"{package} {dims} {to_numpy_dtype(dtype)}")
+        _register(engine, allocation, array, f"{package} {dims} {to_numpy_dtype(dtype)}",
+                  getattr(array, "_dask_pgas_keeper", array))
     return array
 
 

@@ -646,7 +646,8 @@ class NVSHMEMEngine(Engine):
             tdt = _torch_dtype(torch, dtype)
             itemsize = torch.empty((), dtype=tdt).element_size()
             count = math.prod(shape)
-            raw = torch.as_tensor(_CAI(allocation.ptr, count * itemsize, allocation), device=f"cuda:{self.device}")
+            keeper = _CAI(allocation.ptr, count * itemsize, allocation)
+            raw = torch.as_tensor(keeper, device=f"cuda:{self.device}")  # its storage holds keeper till it dies
             t = raw.view(tdt)
             if order == "F" and len(shape) > 1:
                 t = t.view(tuple(reversed(shape))).permute(*reversed(range(len(shape))))
@@ -654,6 +655,7 @@ class NVSHMEMEngine(Engine):
                 t = t.view(shape)
             if count == 0:
                 t._dask_pgas_ptr = raw._dask_pgas_ptr = allocation.ptr
+            t._dask_pgas_keeper = keeper  # (for the registry: alive while any view of the memory is)
             return t
         raise UnsupportedOperandError(f"the nvshmem engine allocates cupy or torch arrays, not {package}")
 

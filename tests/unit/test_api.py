@@ -193,6 +193,41 @@ def test_allocations_and_reshapes_are_numbered_per_world():
     assert names == ["Reshape#1", "Reshape#1"]
 
 
+def test_memory_in_use_follows_the_keeper_not_the_array_returned():
+    """A torch view keeps only the storage, not the tensor allocate_symmetric_memory returned: finalize() freed the
+    memory under a live slice once that tensor was gone (round 24, torch on NVSHMEM). The registry follows the
+    object that lives as long as the memory (the storage's owner); here a stand-in keeper."""
+    import gc
+    import warnings
+
+    from mpi4py import MPI
+
+    from dask_pgas import errors, memory
+    from dask_pgas.runtime import get_engine
+
+    class Keeper:
+        pass
+
+    dask_pgas.initialize(None, MPI.COMM_SELF, ["mpi"])
+    try:
+        engine = get_engine("mpi")
+        keeper = Keeper()
+        allocation = engine.allocate(64)
+        array = engine.as_array(allocation, (8,), "float64", "numpy")
+        memory._register(engine, allocation, array, "test", keeper)  # (finalize frees it)
+        del array
+        gc.collect()
+        assert memory._in_use() is not None  # the keeper (the storage) is alive: in use
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            del keeper
+            gc.collect()
+        assert memory._in_use() is None and dask_pgas.heap_usage()["collected_unfreed"] == 1
+        assert any(issubclass(w.category, errors.SymmetricMemoryLeakWarning) for w in caught)
+    finally:
+        dask_pgas.finalize()
+
+
 def test_initialize_takes_the_process_group_by_either_name():
     """nvmath 0.9 and 1.0 name initialize's second argument ``process_group``; earlier releases ``communicator``.
     Both names work, giving both raises (every rank, through the exchange), and ProcessGroup is public."""

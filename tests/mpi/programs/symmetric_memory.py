@@ -275,7 +275,8 @@ def finalize_while_in_use(keep):
     finally:
         assert dask_pgas.is_initialized()
         if held is not None:
-            assert float(held.sum()) == (RANK + 1) * held.size  # still readable
+            count = held.numel() if PKG == "torch" else held.size
+            assert float(held.sum()) == (RANK + 1) * count  # still readable
         if keep == "array":
             dask_pgas.free_symmetric_memory(held)
 
