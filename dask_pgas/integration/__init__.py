@@ -5,18 +5,15 @@ Importing this package loads the ``pgas.*`` config defaults; it never patches Da
 
 from __future__ import annotations
 
-import os
-
 import dask
-import yaml
-
-with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "pgas.yaml")) as _f:
-    dask.config.update_defaults(yaml.safe_load(_f))
 
 from ..errors import PGASRechunkUnsupported, PGASWorldError
 from ._client import World, bootstrap, teardown, world
 from ._cluster import LocalMPICluster
+from ._config import DEFAULTS
 from ._rechunk import array_expr_mode, install, installed, rechunk, uninstall
+
+dask.config.update_defaults(DEFAULTS)
 
 __all__ = [
     "LocalMPICluster",

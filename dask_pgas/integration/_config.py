@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Callable
 from typing import Any
 
 import dask
+import yaml
 from dask.utils import parse_bytes, parse_timedelta
 
-__all__ = ["check_all", "duration", "problem", "setting"]
+__all__ = ["DEFAULTS", "check_all", "duration", "problem", "setting"]
+
+with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "pgas.yaml")) as _f:
+    DEFAULTS: dict = yaml.safe_load(_f)  # {"pgas": {...}}, registered with Dask by the integration's import
 
 
 def duration(value: Any, what: str) -> float:
@@ -98,10 +103,18 @@ _KEYS: dict[str, tuple[Callable[[Any], Any], str]] = {
 }
 
 
+_MISSING = object()
+
+
 def setting(key: str) -> Any:
     """The checked value of config ``pgas.<key>`` (for durations: seconds)."""
     read, takes = _KEYS[key]
-    value = dask.config.get(f"pgas.{key}")
+    value = dask.config.get(f"pgas.{key}", _MISSING)
+    if value is _MISSING:
+        # a ``dask.config.set({"pgas.<key>": ...})`` block around the integration's first import removes the
+        # whole pgas section on exit, the defaults with it: put the missing defaults back (user values stay)
+        dask.config.update(dask.config.config, DEFAULTS, priority="old")
+        value = dask.config.get(f"pgas.{key}")
     result = read(value)
     if result is _BAD:
         raise ValueError(f"config pgas.{key} must be {takes}, got {value!r}")

@@ -97,3 +97,28 @@ def test_initialize_refuses_what_is_not_an_mpi_communicator():
             communicator_of(other)
         with pytest.raises(TypeError, match=r"dask_pgas\.MPIProcessGroup"):
             dask_pgas.initialize(None, other, backends=["mpi"])
+
+
+def test_defaults_survive_a_config_block_around_the_first_import():
+    """The integration loads lazily and registers its defaults on first import; a ``dask.config.set`` block
+    around that import (as docs/dask.md suggests for LocalMPICluster) removed the whole pgas section on exit,
+    and every later rechunk raised a bare KeyError: 'pgas'."""
+    import subprocess
+    import sys
+
+    code = (
+        "import dask, dask.array as da, dask_pgas\n"
+        "x = da.ones(10, chunks=5)\n"
+        "with dask.config.set({'pgas.fallback': 'tasks'}):\n"
+        "    assert dask_pgas.rechunk(x, 2).chunks == ((2,) * 5,)\n"
+        "with dask.config.set({'pgas.fallback': 'tasks'}):\n"
+        "    assert dask_pgas.rechunk(x, 2).chunks == ((2,) * 5,)\n"
+        "try:\n"
+        "    dask_pgas.rechunk(x, 2)\n"
+        "except dask_pgas.errors.PGASRechunkUnsupported:\n"
+        "    pass  # (no client here, and pgas.fallback is back to its default: raise)\n"
+        "assert dask.config.get('pgas.fallback') == 'raise'\n"
+        "print('OK')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
