@@ -556,6 +556,15 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         if finish == "forgotten":
             self._pinned.pop(key, None)
             self._barriers.discard(key)
+        if finish == "erred" and isinstance(key, str) and key.startswith("pgas-barrier-"):
+            # the run failed, or never starts (an input erred): the inputs staged on the workers serve nothing
+            # now, but the barrier stays erred while the client holds it, and they stayed with it, outside Dask's
+            # memory accounting. (The run's own bookkeeping goes when the barrier is released or forgotten.)
+            name = "pgas-rechunk-" + key[len("pgas-barrier-"):]
+            msgs = {w: [{"op": "pgas-forget", "name": name, "run": None, "epoch": self.epoch}] for w in self.world
+                    if w in self.scheduler.workers}
+            if msgs:
+                self.scheduler.send_all({}, msgs)
         done_with = finish == "forgotten" or (finish == "released" and start == "memory")
         if done_with and isinstance(key, str) and key.startswith("pgas-barrier-"):
             # every output task is done with the run's results: the workers can drop them. (Not when the

@@ -506,6 +506,42 @@ def test_bad_chunk_on_one_pe_fails_the_run_not_the_world(client):
     np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (60, 10)).compute()), ref)
 
 
+def test_a_failed_input_frees_the_staged_inputs_while_the_error_is_held(client):
+    """One input chunk raises after the others were staged: the barrier errs, and the staged inputs must go at
+    once, as Dask's own rechunk drops its intermediates (they stayed on the workers, outside Dask's memory
+    accounting, for as long as the client held the erred result)."""
+    import time
+
+    from distributed import wait
+
+    p = dask_pgas.world(client).npes
+    ref = _reference((40, 20 * p), "float64")
+
+    def late_failure(block, block_info=None):
+        import time as _time
+
+        if block_info[0]["chunk-location"][1] == p - 1:
+            _time.sleep(1.0)  # the other PEs stage first
+            raise RuntimeError("input failed on purpose")
+        return block
+
+    x = on_device(da.from_array(ref, chunks=(40, 20))).map_blocks(late_failure, dtype=ref.dtype)
+    fut = client.compute(dask_pgas.rechunk(x, (40 // p if p > 1 else 40, 20 * p)))
+    wait(fut)
+    assert fut.status == "error"
+
+    def staged(dask_worker):
+        return len(dask_worker.plugins["dask-pgas"]._staged)
+
+    deadline = time.monotonic() + 10
+    while sum(client.run(staged).values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sum(client.run(staged).values()) == 0, client.run(staged)  # (the erred future is still held)
+    del fut
+    np.testing.assert_array_equal(host(dask_pgas.rechunk(on_device(da.from_array(ref, chunks=(40, 20))),
+                                                         (40, 10)).compute()), ref)
+
+
 def test_cancelled_rechunk_computes_again(client, tmp_path):
     """Cancel a rechunk after one PE's transfer task is done, then compute it again with that PE last: the run
     must wait for every transfer of the new attempt (a stale 'ready' PE once started it too early)."""
