@@ -542,6 +542,32 @@ def test_a_failed_input_frees_the_staged_inputs_while_the_error_is_held(client):
                                                          (40, 10)).compute()), ref)
 
 
+def test_an_asynchronous_client_is_refused_on_its_event_loop_and_works_from_a_thread(client):
+    """On an asynchronous client's event loop the client calls return coroutines: world() read that as 'no
+    world', bootstrap() failed with a TypeError about a coroutine and rechunk() fell back saying the cluster
+    had no world. They now say how to call them (in a thread), and that works."""
+    import asyncio
+
+    from distributed import Client
+
+    epoch = dask_pgas.world(client).epoch
+    x = on_device(da.from_array(_reference((20, 12), "float64"), chunks=(20, 4)))
+
+    async def main():
+        async with Client(client.scheduler.address, asynchronous=True) as ac:
+            for call in (lambda: dask_pgas.world(ac), lambda: dask_pgas.bootstrap(ac),
+                         lambda: dask_pgas.teardown(ac), lambda: dask_pgas.rechunk(x, (5, 12), client=ac)):
+                with pytest.raises(TypeError, match=r"asyncio\.to_thread"):
+                    call()
+            w = await asyncio.to_thread(dask_pgas.world, ac)
+            y = await asyncio.to_thread(dask_pgas.rechunk, x, (5, 12), client=ac)
+            return w, await ac.compute(y)
+
+    w, result = asyncio.run(main())
+    assert w is not None and w.epoch == epoch
+    np.testing.assert_array_equal(host(result), _reference((20, 12), "float64"))
+
+
 def test_cancelled_rechunk_computes_again(client, tmp_path):
     """Cancel a rechunk after one PE's transfer task is done, then compute it again with that PE last: the run
     must wait for every transfer of the new attempt (a stale 'ready' PE once started it too early)."""
