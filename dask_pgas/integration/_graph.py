@@ -25,7 +25,7 @@ from typing import Any
 from dask._task_spec import Task, TaskRef
 
 from ..errors import CollectiveError
-from ._worker_plugin import RunSpec, get_plugin, refuse_masked
+from ._worker_plugin import RunSpec, get_plugin, refuse_lossy_casts, refuse_masked
 
 
 class _Unfused(Task):
@@ -106,6 +106,7 @@ def assemble(pe: int, epoch: int, npes: int, shape: tuple, dtype: Any, pieces: t
 
     get_plugin().check(pe, epoch, npes)
     refuse_masked(arrays)
+    refuse_lossy_casts(arrays, dtype)
     if len(pieces) == 1:
         view = arrays[0][pieces[0][0]]
         if view.shape == tuple(shape) and view.dtype == dtype:

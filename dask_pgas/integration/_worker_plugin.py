@@ -804,6 +804,7 @@ class PGASWorkerPlugin(WorkerPlugin):
         refuse_masked(arrays)
         engine = runtime.engine_for_package(spec.package)
         dtype = np.dtype(spec.dtype)
+        refuse_lossy_casts(arrays, dtype)
         in_box = spec.input_boxes[self.pe]
         out_box = spec.output_boxes[self.pe]
         src = None
@@ -842,6 +843,22 @@ def refuse_masked(arrays: tuple) -> None:
             "data, not masks. Give the array a masked meta (e.g. map_blocks(..., meta=np.ma.masked_array([]))), "
             "which makes rechunk follow pgas.fallback, or rechunk with method='tasks'"
         )
+
+
+def refuse_lossy_casts(arrays: tuple, dtype: Any) -> None:
+    """Chunks of another dtype than the array's (a ``map_blocks`` or ``from_delayed`` that declared a wrong one):
+    packing them into the array's dtype casts them. A cast that keeps every value (byte order, a wider type) is
+    done; one that can lose data (2.75 into an integer, ``'hello'`` into ``'U2'``) raises instead of truncating
+    silently, where Dask's own rechunk would move the chunks unchanged."""
+    import numpy as np
+
+    for a in arrays:
+        if a.dtype != dtype and not np.can_cast(a.dtype, dtype, casting="safe"):
+            raise UnsupportedOperandError(
+                f"a chunk has dtype {a.dtype}, but the Dask array declares {dtype}: a pgas rechunk moves the "
+                f"array's dtype, and casting {a.dtype} to {dtype} can lose data. Declare the chunks' real dtype "
+                "(map_blocks(..., dtype=...)), cast them first (x.astype(...)), or rechunk with method='tasks'"
+            )
 
 
 def _gpu_identity() -> dict:

@@ -180,6 +180,24 @@ def test_masked_chunks_under_a_plain_meta_are_refused(client, local):
     np.testing.assert_array_equal(dask_pgas.rechunk(da.arange(60.0, chunks=20), 7).compute(), np.arange(60.0))
 
 
+@pytest.mark.parametrize("local", [True, False])
+def test_chunks_of_another_dtype_are_cast_only_when_no_value_is_lost(client, local):
+    """Chunks whose dtype differs from the one declared (map_blocks(..., dtype=...) that lies): the rechunk cast
+    them silently, truncating 2.75 to 2 where Dask's rechunk moves them unchanged. A cast that can lose data now
+    fails clearly before any data moves; one that keeps every value (float32 into float64) is done."""
+    ref = np.full((20, 12), 2.75)
+    x = on_device(da.from_array(ref, chunks=(20, 4)))
+    lying = x.map_blocks(lambda b: b, dtype="int32")  # the chunks stay float64
+    with dask.config.set({"pgas.local-rechunk": local}):
+        with pytest.raises(Exception, match="casting float64 to int32 can lose data"):
+            dask_pgas.rechunk(lying, (5, 12)).compute()
+        narrow = x.map_blocks(lambda b: b.astype("float32"), dtype="float64")  # widened: every value kept
+        got = dask_pgas.rechunk(narrow, (5, 12)).compute()
+    assert got.dtype == np.float64
+    np.testing.assert_array_equal(host(got), ref)
+    assert dask_pgas.world(client).broken is None
+
+
 @cpu_only
 def test_fallback_chunks_equal_dasks_with_balance(client):
     """A fallback rechunks the caller's chunks with Dask's own rechunk: balancing twice gave other chunks."""
