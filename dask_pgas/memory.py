@@ -43,6 +43,9 @@ class _Record:
     collected: bool = False
 
 
+#: attributes the GPU engine sets on the torch tensors it makes (an empty tensor's address, its storage's keeper)
+_ENGINE_ATTRS = ("_dask_pgas_ptr", "_dask_pgas_root", "_dask_pgas_keeper")
+
 _lock = threading.RLock()
 _seq = itertools.count()
 _live: dict[int, _Record] = {}  # seq -> record, in allocation order
@@ -201,7 +204,10 @@ def allocate_symmetric_memory(
             keeper = getattr(array, "_dask_pgas_keeper", array)
             if axes is not None:  # each base axis back to its place: the inverse permutation
                 back = tuple(int(a) for a in np.argsort(axes))
-                array = array.permute(*back) if pkg == "torch" else array.transpose(back)
+                base, array = array, array.permute(*back) if pkg == "torch" else array.transpose(back)
+                for attr in _ENGINE_ATTRS:  # what the engine noted on its tensor goes to the one returned
+                    if hasattr(base, attr):
+                        setattr(array, attr, getattr(base, attr))
         except Exception as exc:  # agreed before the collective free: no rank frees alone
             error = f"{type(exc).__name__}: {exc}"
         if bad := control.agree(error):

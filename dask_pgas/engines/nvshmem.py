@@ -208,7 +208,8 @@ def _ptr(array: Any) -> int:
         return int(array.data.ptr)
     # torch reports data_ptr() == 0 for empty tensors; cuFFTMp and the peer path still need the symmetric address
     # of every PE's buffers (they derive peers' addresses from the local ones), so as_array remembers it on the
-    # tensor and on its root, which every view of it (permute, view, reshape) has as ``_base``
+    # tensor and on its root, which every view of it (permute, view, reshape) has as ``_base`` (and which the
+    # tensor keeps alive: a view made after the tensor is gone may report 0)
     ptr = array.data_ptr()
     if not ptr:
         ptr = getattr(array, "_dask_pgas_ptr", 0) or getattr(array._base, "_dask_pgas_ptr", 0)
@@ -654,7 +655,11 @@ class NVSHMEMEngine(Engine):
             else:
                 t = t.view(shape)
             if count == 0:
-                t._dask_pgas_ptr = raw._dask_pgas_ptr = allocation.ptr
+                t._dask_pgas_ptr = allocation.ptr
+                root = t._base  # what views of t report as their _base; its Python object lives only while
+                if root is not None:  # something holds it, so t does (else the attribute goes with it)
+                    root._dask_pgas_ptr = allocation.ptr
+                    t._dask_pgas_root = root
             t._dask_pgas_keeper = keeper  # (for the registry: alive while any view of the memory is)
             return t
         raise UnsupportedOperandError(f"the nvshmem engine allocates cupy or torch arrays, not {package}")

@@ -72,7 +72,7 @@ def _client(client):
 def _not_on_its_event_loop(client) -> None:
     """dask_pgas's client calls block on the scheduler: on an asynchronous client's event loop they would get
     coroutines back (and took them for 'no world')."""
-    if client.asynchronous:
+    if getattr(client, "asynchronous", False):
         raise TypeError(
             "dask_pgas calls the scheduler synchronously and cannot run on the event loop of an asynchronous "
             "Client: run it in a thread, e.g. await asyncio.to_thread(dask_pgas.bootstrap, client) (the same "

@@ -543,7 +543,8 @@ def test_a_failed_input_frees_the_staged_inputs_while_the_error_is_held(client):
             raise RuntimeError("input failed on purpose")
         return block
 
-    x = on_device(da.from_array(ref, chunks=(40, 20))).map_blocks(late_failure, dtype=ref.dtype)
+    base = on_device(da.from_array(ref, chunks=(40, 20)))
+    x = base.map_blocks(late_failure, dtype=ref.dtype, meta=base._meta)  # (CuPy chunks stay CuPy on GPU workers)
     fut = client.compute(dask_pgas.rechunk(x, (40 // p if p > 1 else 40, 20 * p)))
     wait(fut)
     assert fut.status == "error"
