@@ -58,14 +58,22 @@ def _check_rank(rank: int, nranks: int | None) -> None:
         raise ValueError(f"this is not a valid process rank: got rank={rank} with nranks={nranks}")
 
 
-def _check_to(cls: object, ndim: int | None, own_ndim: int | None) -> None:
+def _check_to(cls: object, ndim: int | None, own_ndim: int | None) -> int | None:
+    """Check ``Distribution.to``'s arguments; returns ``ndim`` as a Python int (or None)."""
     if not (isinstance(cls, type) and issubclass(cls, Distribution) and cls is not Distribution):
         raise ValueError(f"{cls!r} is not a valid distribution")
-    if ndim is not None and (isinstance(ndim, bool) or not isinstance(ndim, int) or ndim < 1):
-        raise ValueError(f"ndim must be an integer >= 1, got {ndim!r}")
+    if ndim is not None:
+        try:
+            ok = not isinstance(ndim, bool) and operator.index(ndim) >= 1  # (NumPy integers too)
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"ndim must be an integer >= 1, got {ndim!r}")
+        ndim = operator.index(ndim)
     if ndim is not None and own_ndim is not None and ndim < own_ndim:
         raise ValueError(f"ndim argument ({ndim}) is below this distribution's dimensionality ({own_ndim}): a "
                          "distribution can be promoted to more dimensions (trailing size-1 ones), never fewer")
+    return ndim
 
 
 class Distribution:
@@ -163,7 +171,7 @@ class Box(Distribution):
         Box (:class:`ConvertDistributionError` for another distribution, ``ValueError`` for anything that is not
         a distribution class, as in nvmath). A larger ``ndim`` promotes it with trailing size-1 dimensions (as
         nvmath 1.0): ``Box((0, 0), (4, 2)).to(Box, ndim=3)`` is ``Box((0, 0, 0), (4, 2, 1))``."""
-        _check_to(cls, ndim, self.ndim)
+        ndim = _check_to(cls, ndim, self.ndim)
         if not issubclass(cls, Box):
             raise ConvertDistributionError(f"a Box cannot be converted to {cls.__name__}: it is one process's piece")
         if ndim is not None and ndim > self.ndim:
@@ -301,7 +309,7 @@ class Slab(Distribution):
         """As one of type ``cls`` (as nvmath's ``Distribution.to``): a Slab converts to a Slab (of ``ndim``
         dimensions when given: at least its own, as nvmath 1.0 promotes with trailing size-1 dimensions); to a
         Box only inside a reshape, where the global shape is known (:class:`ConvertDistributionError` here)."""
-        _check_to(cls, ndim, self._ndim)
+        ndim = _check_to(cls, ndim, self._ndim)
         if not issubclass(cls, Slab):
             raise ConvertDistributionError(
                 f"{self} names no Box before the global shape is known: a reshape converts it (or use "

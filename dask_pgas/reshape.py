@@ -219,6 +219,12 @@ def _check_positions(positions: list[tuple[int, int] | None]) -> None:
         )
 
 
+def _common_offset(positions: list[tuple[int, int] | None]) -> int | None:
+    """The byte offset into its allocation at which every rank's non-empty symmetric operand starts (agreed by
+    :func:`_check_positions`), or None: the same on every rank, so engines may decide collective steps by it."""
+    return next((p[1] for p in positions if p is not None), None)
+
+
 class Reshape:
     """A planned redistribution of ``operand`` from ``input_box`` to ``output_box`` (all ranks call it).
 
@@ -287,6 +293,7 @@ class Reshape:
         self._dtype_name = desc["dtype"]
         self._package: str = "numpy" if desc["host"] else desc["package"]  # the engines' view of the operand
         self._symmetric: bool = desc["symmetric"]
+        self._offset: int | None = _common_offset([d["position"] for d in descs])
         self._spec = ReshapeSpec(
             input_boxes=tuple(Box(*d["in"]) for d in descs),
             output_boxes=tuple(Box(*d["out"]) for d in descs),
@@ -529,7 +536,9 @@ class Reshape:
             error, vetted = self._vet(operand)
         self._agree_call(_control_plane(), error, "reset_operand")
         if self._symmetric and self._package != "numpy":  # known alike on every rank: all exchange, or none
-            _check_positions(_control_plane().allgather(_heap_position(operand)))
+            positions = _control_plane().allgather(_heap_position(operand))
+            _check_positions(positions)
+            self._offset = _common_offset(positions)
         self._adopt(vetted)
 
     def reset_operand_unchecked(self, operand: Any, *, stream: Any = None) -> None:
@@ -685,7 +694,8 @@ class Reshape:
         self.logger.info("%s: execute() starts (%s, sync_symmetric_memory=%s)", self._name,
                          "blocking" if blocks else "stream-ordered: returns before the GPU is done", sync[1])
         t0 = time.perf_counter()
-        self._plan.execute(self._operand, result, stream=stream, sync_symmetric_memory=sync[1])
+        self._plan.execute(self._operand, result, stream=stream, sync_symmetric_memory=sync[1],
+                           operand_offset=self._offset)
         self._remember(result)
         if blocks:
             synchronize = getattr(self._plan, "synchronize", None)

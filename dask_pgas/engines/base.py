@@ -145,10 +145,13 @@ class ReshapePlan(ABC):
     spec: ReshapeSpec
 
     @abstractmethod
-    def execute(self, src: Any, dst: Any, *, stream: Any = None, sync_symmetric_memory: bool = True) -> None:
+    def execute(self, src: Any, dst: Any, *, stream: Any = None, sync_symmetric_memory: bool = True,
+                operand_offset: int | None = None) -> None:
         """Move ``src`` (the local input box) into ``dst`` (the local output box). Collective.
 
-        ``src`` and ``dst`` are dense arrays in ``spec.order`` of a package the engine accepts.
+        ``src`` and ``dst`` are dense arrays in ``spec.order`` of a package the engine accepts. ``operand_offset``
+        is where the ranks' non-empty symmetric ``src`` starts in its allocation (bytes; the same on every rank,
+        None when unknown: then ``src`` starts its allocation or is not symmetric); ``dst`` starts its own.
         """
 
     @abstractmethod

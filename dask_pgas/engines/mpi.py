@@ -223,7 +223,8 @@ class MPIReshapePlan(ReshapePlan):
             raise ValueError(f"{what} must be {self.spec.order}-contiguous")
         return array.reshape(-1, order=self.spec.order).view(np.uint8)
 
-    def execute(self, src: Any, dst: Any, *, stream: Any = None, sync_symmetric_memory: bool = True) -> None:
+    def execute(self, src: Any, dst: Any, *, stream: Any = None, sync_symmetric_memory: bool = True,
+                operand_offset: int | None = None) -> None:
         if self._comm is None:
             raise RuntimeError("this plan was freed")
         sbuf = self._flat(src, self.spec.input_box.box_shape, "source")

@@ -839,7 +839,8 @@ class NVSHMEMReshapePlan(ReshapePlan):
             self._stage = (first, second)
         return self._stage[0].ptr, self._stage[1].ptr
 
-    def execute(self, src: Any, dst: Any, *, stream: Any = None, sync_symmetric_memory: bool = True) -> None:
+    def execute(self, src: Any, dst: Any, *, stream: Any = None, sync_symmetric_memory: bool = True,
+                operand_offset: int | None = None) -> None:
         if self._freed:
             raise RuntimeError("this plan was freed")
         pkg = _package(src)
@@ -848,7 +849,7 @@ class NVSHMEMReshapePlan(ReshapePlan):
             return
         handle = stream if isinstance(stream, int) else stream_handle(stream, pkg)
         self._last_stream = handle
-        self._run(_ptr(src), _ptr(dst), handle, sync_symmetric_memory)
+        self._run(_ptr(src), _ptr(dst), handle, sync_symmetric_memory, operand_offset or 0)
 
     def _execute_host(self, src: np.ndarray, dst: np.ndarray) -> None:
         if self.mode == "copy":
@@ -872,17 +873,18 @@ class NVSHMEMReshapePlan(ReshapePlan):
         _agreed(control, "copying the reshape input to the GPU", upload)
         _agreed(control, "the reshape", run_and_download)
 
-    def _run(self, src: int, dst: int, stream: int, sync: bool) -> None:
+    def _run(self, src: int, dst: int, stream: int, sync: bool, offset: int = 0) -> None:
         if self.mode == "copy":
             self.engine.drv.memcpy_async(dst, src, self.nbytes_out, stream)
         elif self.mode == "cufftmp":
             word = self.layout.word_size
-            if src % word or dst % word:
-                # a view at an offset inside its allocation (the same offset on every PE, agreed with the
-                # operand's heap position): cuFFTMp's kernels move words of this size and need them aligned
+            if offset % word:
+                # a view at an offset inside its allocation: cuFFTMp's kernels move words of this size and need
+                # them aligned. Decided by the offset every rank agreed on (not the local pointer: a rank whose
+                # piece is empty may pass another view), so every PE takes the same path
                 if not self.engine.peers_mapped:
                     raise UnsupportedOperandError(
-                        f"the operand starts {src % word} bytes past a {word}-byte boundary, and cuFFTMp moves "
+                        f"the operand starts {offset % word} bytes past a {word}-byte boundary, and cuFFTMp moves "
                         f"{word}-byte words here; pass a view that starts at a multiple of {word} bytes into its "
                         "allocation (or the allocation itself)")
                 _trace(self.spec.rank, f"execute: pointers not {word}-byte aligned, peer copies")

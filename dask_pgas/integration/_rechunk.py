@@ -202,6 +202,10 @@ def rechunk(
             return _fallback(x, chunks, "there is no Dask distributed client",
                              "Start one on a cluster with a PGAS world (dask_pgas.LocalMPICluster + "
                              "dask_pgas.bootstrap(client)).", *args)
+    if getattr(client, "asynchronous", False):  # its scheduler calls would return coroutines here
+        return _fallback(x, chunks, "it was called on the event loop of an asynchronous Client, and building a pgas "
+                         "rechunk asks the scheduler synchronously",
+                         "Build it in a thread: y = await asyncio.to_thread(dask_pgas.rechunk, x, chunks).", *args)
     world = _world(client, x)
     if not world or not world["workers"]:
         return _fallback(x, chunks, "the cluster has no PGAS world",

@@ -575,9 +575,14 @@ def test_an_asynchronous_client_is_refused_on_its_event_loop_and_works_from_a_th
     async def main():
         async with Client(client.scheduler.address, asynchronous=True) as ac:
             for call in (lambda: dask_pgas.world(ac), lambda: dask_pgas.bootstrap(ac),
-                         lambda: dask_pgas.teardown(ac), lambda: dask_pgas.rechunk(x, (5, 12), client=ac)):
+                         lambda: dask_pgas.teardown(ac)):
                 with pytest.raises(TypeError, match=r"asyncio\.to_thread"):
                     call()
+            # a rechunk follows pgas.fallback (Dask's own rechunks of an app on the loop keep working with 'tasks')
+            with pytest.raises(dask_pgas.errors.PGASRechunkUnsupported, match=r"asyncio\.to_thread"):
+                dask_pgas.rechunk(x, (5, 12), client=ac)
+            with dask.config.set({"pgas.fallback": "tasks"}):
+                assert dask_pgas.rechunk(x, (5, 12), client=ac).name == x.rechunk((5, 12), method="tasks").name
             w = await asyncio.to_thread(dask_pgas.world, ac)
             y = await asyncio.to_thread(dask_pgas.rechunk, x, (5, 12), client=ac)
             return w, await ac.compute(y)

@@ -49,6 +49,7 @@ def test_box_shape_and_to_like_nvmath():
     assert c == b and c is not b
     # nvmath 1.0 promotes to more dimensions with trailing size-1 ones, never to fewer
     assert b.to(Box, ndim=3) == Box((0, 2, 0), (4, 6, 1)) and b.to(Box, ndim=4).box_shape == (4, 4, 1, 1)
+    assert b.to(Box, ndim=np.int64(3)) == Box((0, 2, 0), (4, 6, 1)) and b.to(Box, ndim=np.int64(2)) is b
     for ndim in (1, 0, 2.0, True):
         with pytest.raises(ValueError, match="ndim"):
             b.to(Box, ndim=ndim)
@@ -81,6 +82,7 @@ def test_slab_api_like_nvmath():
     assert Slab.X.to(Slab) is Slab.X and Slab.X.to(Slab, ndim=2) == Slab(0, 2) and Slab.X.to(Slab, ndim=2).ndim == 2
     assert Slab.X.to(Slab, copy=True) is not Slab.X
     assert Slab(0, 2).to(Slab, ndim=3).ndim == 3 and Slab(0, 2).to(Slab, ndim=2).ndim == 2
+    assert Slab.X.to(Slab, ndim=np.int32(2)) == Slab(0, 2) and type(Slab.X.to(Slab, ndim=np.int32(2)).ndim) is int
     with pytest.raises(ValueError, match="never fewer"):
         Slab(0, 3).to(Slab, ndim=2)
     for bad in [(-1, None), (True, None), (2, 2), (0, 0)]:

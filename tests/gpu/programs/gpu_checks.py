@@ -371,6 +371,32 @@ def main():
 
     check("misaligned-view-operand", misaligned_view_operand)
 
+    def misaligned_view_with_an_empty_rank():
+        # as above, but rank 0's piece is empty (a zero-length view, whose heap position nobody compares): the
+        # choice between cuFFTMp and peer copies must come from the offset the ranks agreed on, not from each
+        # rank's own pointer, or rank 0 alone would enter cuFFTMp
+        if SIZE < 2:
+            return
+        n = 4 * (SIZE - 1)
+        g = np.arange(n, dtype=np.float64)
+        ins = [Box((0,), (0,))] + [Box((4 * (r - 1),), (4 * r,)) for r in range(1, SIZE)]
+        bounds = [0] + [4 * r - 2 for r in range(1, SIZE)] + [n]
+        outs = [Box((bounds[r],), (bounds[r + 1],)) for r in range(SIZE)]
+        mine = g[4 * (RANK - 1): 4 * RANK] if RANK else np.zeros(4)
+        a = sym(np.concatenate([[-1.0], mine]))
+        try:
+            with Reshape(a[1:1] if RANK == 0 else a[1:], ins[RANK], outs[RANK]) as r:
+                r.plan()
+                assert r._offset == 8, r._offset
+                out = r.execute()
+                cp.cuda.Device().synchronize()
+                assert np.array_equal(cp.asnumpy(out), piece(g, outs[RANK])), cp.asnumpy(out)
+                dask_pgas.free_symmetric_memory(out)
+        finally:
+            dask_pgas.free_symmetric_memory(a)
+
+    check("misaligned-view-with-an-empty-rank", misaligned_view_with_an_empty_rank)
+
     def streams_as_nvmath():
         # execute() without a stream runs on the package's current stream at that call (as nvmath), not on the
         # constructor's; a stream the engine cannot use, on one rank, raises on every rank before the collective
