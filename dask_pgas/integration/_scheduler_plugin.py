@@ -69,6 +69,16 @@ def shared_gpu_warning(members: dict[str, tuple[str | None, str | None, int | No
             "LocalMPICluster(gpus=N) do it; docs/dask.md, 'Which GPU a PE uses')")
 
 
+def _missing_ranks(infos: dict) -> set[int]:
+    """Ranks of the workers' one MPI job without a worker here, beyond 0 and 1 (dask-mpi's scheduler and client
+    ranks); empty when the workers are not the ranks of one MPI job."""
+    sizes = {i["mpi_size"] for i in infos.values()}
+    ranks = [i["mpi_rank"] for i in infos.values()]
+    if len(sizes) != 1 or None in sizes or None in ranks:
+        return set()
+    return set(range(sizes.pop())) - set(ranks) - {0, 1}
+
+
 class PGASSchedulerPlugin(SchedulerPlugin):
     """Registered by :func:`dask_pgas.bootstrap`; one per scheduler (idempotent)."""
 
@@ -160,6 +170,17 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         """Names of the rechunks with a run in flight (detached ones included: their workers are still in it)."""
         return sorted({r.name for r in self._in_flight()})
 
+    def _unfinished(self) -> list[str]:
+        """Rechunks with a pinned task (transfer, output, local-plan chunk) or a barrier still to run: they need
+        the world (an output task takes its run's result from its worker's plugin), so a teardown would fail
+        them. Results already in memory are ordinary arrays and do not count."""
+        names = set()
+        for key in [*self._pinned, *self._barriers]:
+            ts = self.scheduler.tasks.get(key)
+            if ts is not None and ts.state in ("waiting", "queued", "no-worker", "processing"):
+                names.add(key[0] if isinstance(key, tuple) else key)
+        return sorted(names)
+
     async def _call(self, workers, op: str, timeout: float | None = None, **kwargs) -> dict[str, Any]:
         async def one(addr):
             return await self.scheduler.rpc(addr).__getattr__(op)(**kwargs)
@@ -168,6 +189,9 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             asyncio.gather(*(one(w) for w in workers), return_exceptions=True), timeout
         )
         return dict(zip(workers, results))
+
+    #: seconds bootstrap waits for ranks of the workers' MPI job that have not registered yet
+    RANKS_GRACE = 10.0
 
     async def bootstrap(self, backends: list | None = None, timeout: Any = None) -> dict:
         timeout = setting("bootstrap-timeout") if timeout is None else duration(timeout, "the bootstrap timeout")
@@ -181,11 +205,26 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             workers = list(self.scheduler.workers)
             if not workers:
                 return {"status": "error", "message": "the cluster has no workers yet; wait_for_workers first"}
-            infos = await self._call(workers, "pgas_info", timeout=timeout)
-            bad = {w: i for w, i in infos.items() if isinstance(i, BaseException)}
-            if bad:
-                w, exc = next(iter(bad.items()))
-                return {"status": "error", "message": f"worker {w} did not answer ({exc!r}); is the plugin set up?"}
+            loop = asyncio.get_running_loop()
+            grace = loop.time() + min(timeout, self.RANKS_GRACE)
+            while True:
+                try:
+                    infos = await self._call(workers, "pgas_info", timeout=timeout)
+                except asyncio.TimeoutError:
+                    return {"status": "error", "message": f"the workers did not describe themselves within the "
+                            f"bootstrap timeout ({timeout}s)"}
+                bad = {w: i for w, i in infos.items() if isinstance(i, BaseException)}
+                if bad:
+                    w, exc = next(iter(bad.items()))
+                    return {"status": "error",
+                            "message": f"worker {w} did not answer ({exc!r}); is the plugin set up?"}
+                missing = _missing_ranks(infos)
+                if not missing or loop.time() >= grace:
+                    break
+                # ranks of the workers' MPI job still registering (a restarted worker job): a world of the
+                # ones here would hold part of the job, for good
+                await asyncio.sleep(0.2)
+                workers = list(self.scheduler.workers)
             poisoned = [w for w, i in infos.items() if i["poisoned"]]
             if poisoned:
                 return {
@@ -305,6 +344,10 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             warning = shared_gpu_warning(
                 {w: (infos[w].get("host"), res[w].get("gpu"), res[w].get("visible_gpus")) for w in order}
             )
+            if missing:
+                note = (f"ranks {sorted(missing)} of the workers' MPI job have no worker on this scheduler (waited "
+                        f"{min(timeout, self.RANKS_GRACE):g}s): the world has the {len(order)} that registered")
+                warning = f"{warning}; {note}" if warning else note
             if warning:
                 logger.warning("dask_pgas: %s", warning)
             return {"status": "OK", **self._describe(), **({"warning": warning} if warning else {})}
@@ -324,6 +367,10 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         async with self._lock:
             if runs := self._active():
                 return {"status": "error", "message": f"rechunks still running: {runs}"}
+            if self.world and not self.broken and (pending := self._unfinished()):
+                return {"status": "error", "message": f"rechunks still running: tasks of {pending[:5]}"
+                        + (f" and {len(pending) - 5} more" if len(pending) > 5 else "")
+                        + " have yet to run on the world; wait for their results (or release them) first"}
             if not self.world:
                 return {"status": "OK", "workers": {}}
             members = [w for w in self.world if w in self.scheduler.workers]

@@ -571,6 +571,32 @@ def test_never_bootstrapped_cluster_follows_fallback(caplog):
     assert not [r for r in caplog.records if "pgas_world" in r.getMessage() or "No handler" in r.getMessage()]
 
 
+def test_teardown_is_refused_while_a_rechunk_still_needs_the_world():
+    """teardown went ahead while a rechunk's output tasks (or a local plan's tasks) were still to run; they then
+    failed, with a message blaming a release. It is refused until their results are in, then goes ahead."""
+    from distributed import Client, wait
+
+    with dask_pgas.LocalMPICluster(n_workers=2, backends=[BACKEND], gpus=1 if GPU_WORKERS else 0) as cluster, \
+            Client(cluster) as client:
+        ref = np.arange(80.0 * 40).reshape(80, 40)
+        base = on_device(da.from_array(ref, chunks=(80, 20)))
+
+        def slow(block):
+            import time as _time
+
+            _time.sleep(2.0)
+            return block
+
+        for chunks in ((10, 40), (80, 10)):  # a collective plan, then a local one
+            fut = client.compute(dask_pgas.rechunk(base.map_blocks(slow, meta=base._meta), chunks))
+            time.sleep(0.5)
+            with pytest.raises(PGASWorldError, match="rechunks still running"):
+                dask_pgas.teardown(client)
+            wait(fut, timeout=60)
+            np.testing.assert_array_equal(host(fut.result()), ref)
+        assert set(dask_pgas.teardown(client).values()) == {0}  # the results are in: it goes ahead
+
+
 def test_teardown_and_world_say_what_is_wrong(tmp_path, capsys):
     """teardown() of a never-bootstrapped cluster raised a bare TypeError; world() of a closed client an
     AttributeError; `dask-pgas world` printed a traceback when bootstrap was refused."""

@@ -336,3 +336,44 @@ def test_a_broken_world_is_torn_down_only_when_every_member_holds_it_idle():
     assert not plugin._recoverable({"w0": info(), "w1": info(epoch=0)})  # still in an older world
     assert not plugin._recoverable({"w0": info(), "w1": info(poisoned=True)})
     assert not plugin._recoverable({"w0": info(busy_for=3.0), "w1": info()})
+
+
+def test_ranks_of_the_worker_job_that_have_not_registered():
+    """A bootstrap right after LocalMPICluster restarted its worker job built a world of the ranks registered so
+    far, for good; it now waits for the others (beyond dask-mpi's scheduler and client ranks 0 and 1)."""
+    from dask_pgas.integration._scheduler_plugin import _missing_ranks
+
+    def infos(size, ranks):
+        return {f"w{r}": {"mpi_size": size, "mpi_rank": r} for r in ranks}
+
+    assert _missing_ranks(infos(4, [0, 1, 2, 3])) == set()
+    assert _missing_ranks(infos(4, [0, 3])) == {2}  # LocalMPICluster's job, two ranks still registering
+    assert _missing_ranks(infos(5, [2, 3, 4])) == set()  # dask_mpi.initialize(): scheduler 0, client 1
+    assert _missing_ranks(infos(4, [1, 2, 3])) == set()  # the dask-mpi CLI: scheduler 0
+    assert _missing_ranks({"a": {"mpi_size": None, "mpi_rank": None}}) == set()  # not MPI processes
+
+
+def test_teardown_waits_for_the_rechunks_whose_tasks_still_need_the_world():
+    """teardown refused only while a run was inside its collective: output tasks still to take a finished run's
+    result, or local-plan tasks, failed when it went ahead (with a message blaming a release). Results in memory
+    (their barrier and transfers released) do not hold it up."""
+    import asyncio
+    from types import SimpleNamespace
+
+    plugin = _plugin()
+    plugin._pinned[("pgas-output-abc", 0)] = "w0"
+    plugin._barriers.add("pgas-barrier-abc")
+    plugin.scheduler.tasks[("pgas-output-abc", 0)] = SimpleNamespace(state="waiting")
+    plugin.scheduler.tasks["pgas-barrier-abc"] = SimpleNamespace(state="released")
+    plugin.world = ("w0", "w1")
+
+    async def teardown():
+        plugin._lock = asyncio.Lock()
+        return await plugin.teardown()
+
+    result = asyncio.run(teardown())
+    assert result["status"] == "error" and "pgas-output-abc" in result["message"], result
+    assert plugin.world == ("w0", "w1")
+    assert plugin._unfinished() == ["pgas-output-abc"]
+    plugin.scheduler.tasks[("pgas-output-abc", 0)].state = "memory"
+    assert plugin._unfinished() == []
