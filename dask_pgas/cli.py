@@ -203,24 +203,27 @@ def show_world(args: argparse.Namespace) -> int:
     return 0
 
 
-def _at_least(minimum: int, parse, what: str, unit: str = ""):
-    """An argparse type: ``parse(text)`` (a ValueError is "not {what}"), at least ``minimum``."""
+def _at_least(minimum: int, parse, what: str, unit: str = "", maximum: float = float("inf")):
+    """An argparse type: ``parse(text)`` (a ValueError or OverflowError is "not {what}"), from ``minimum`` to
+    ``maximum``."""
 
     def convert(text: str) -> int:
         try:
             n = parse(text)
-        except ValueError:
+        except (ValueError, OverflowError):
             raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
         if not n >= minimum:  # (NaN too)
             raise argparse.ArgumentTypeError(f"must be at least {minimum}{unit}, got {text!r}")
+        if not n <= maximum:  # (infinity too)
+            raise argparse.ArgumentTypeError(f"must be at most {maximum:g}{unit}, got {text!r}")
         return n
 
     return convert
 
 
-_size = _at_least(8, parse_bytes, "a size (e.g. 64MiB, 1GiB)", " bytes")
+_size = _at_least(8, parse_bytes, "a size (e.g. 64MiB, 1GiB)", " bytes", maximum=2**50)
 _positive = _at_least(1, int, "an integer")
-_seconds = _at_least(1, float, "a number of seconds", " s")
+_seconds = _at_least(1, float, "a number of seconds", " s", maximum=1e6)
 
 
 class _NoInterruptedGatherNoise(logging.Filter):

@@ -174,6 +174,10 @@ def test_timer_raises_for_a_failed_method():
     (["world", "--scheduler-file", "/nonexistent/scheduler.json"], "no scheduler file"),
     (["world", "--timeout", "-1", "--scheduler-file", "s.json"], "must be at least 1 s"),
     (["world", "--timeout", "nan", "--scheduler-file", "s.json"], "must be at least 1 s"),
+    (["world", "--timeout", "inf", "--scheduler-file", "s.json"], "must be at most 1e+06 s"),
+    (["world", "--timeout", "1e10", "--scheduler-file", "s.json"], "must be at most 1e+06 s"),
+    (["demo", "--size", "1e999"], "not a size"),
+    (["demo", "--size", "1e40"], "must be at most"),
 ])
 def test_cli_refuses_bad_arguments_before_starting_anything(args, message, capsys):
     """Bad arguments exit with argparse's usage error (2), before a cluster starts; a missing scheduler file
