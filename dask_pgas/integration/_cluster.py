@@ -424,9 +424,9 @@ class LocalMPICluster:
                 self._stop.set()
             if self._watcher is not None and self._watcher is not threading.current_thread():
                 self._watcher.join(5)
-            if self._scheduler.poll() is None:
-                self._shutdown()
             deadline = time.monotonic() + timeout
+            if self._scheduler.poll() is None:
+                self._shutdown(timeout)
             for proc in self._procs:
                 try:
                     proc.wait(max(deadline - time.monotonic(), 0.1))
@@ -440,22 +440,26 @@ class LocalMPICluster:
                 self._finalizer()
                 self.status = Status.closed
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, timeout: float) -> None:
         """Tear an intact world down (collectively) and shut the scheduler and workers down, through a client
-        that is not made the default one and whose IO-loop thread ends with it."""
+        that is not made the default one and whose IO-loop thread ends with it. The teardown gets what is left
+        of ``timeout`` (an unresponsive worker held close() for the scheduler's own 120 s); the processes are
+        killed after it either way."""
         from distributed import Client
 
-        from ._client import teardown, world
+        from ._client import world
 
+        start = time.monotonic()
         try:
-            client = Client(self.scheduler_address, timeout=10, set_as_default=False)
+            client = Client(self.scheduler_address, timeout=min(10, timeout), set_as_default=False)
         except Exception:
             return
         try:
             try:
                 w = world(client)
                 if w is not None and not w.broken:
-                    teardown(client)
+                    left = max(timeout - (time.monotonic() - start), 1.0)
+                    client.sync(client.scheduler.pgas_teardown, callback_timeout=left)
             except Exception:
                 pass
             try:

@@ -597,6 +597,27 @@ def test_teardown_is_refused_while_a_rechunk_still_needs_the_world():
         assert set(dask_pgas.teardown(client).values()) == {0}  # the results are in: it goes ahead
 
 
+@pytest.mark.skipif(bool(GPU_WORKERS), reason="CPU workers: a stopped GPU process is not what this checks")
+def test_close_keeps_to_its_timeout_with_an_unresponsive_worker():
+    """close(timeout=...) waited for the scheduler's own 120 s teardown timeout when a worker did not answer
+    (stopped, or its event loop blocked); the teardown now gets what is left of the close timeout."""
+    from distributed import Client
+
+    cluster = dask_pgas.LocalMPICluster(n_workers=2)
+    client = Client(cluster)
+    try:
+        w = sorted(client.scheduler_info()["workers"])[0]
+        pid = client.run(os.getpid, workers=[w])[w]
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        cluster.close(timeout=5)
+        assert time.monotonic() - t0 < 40, time.monotonic() - t0
+        assert not _alive(pid)
+    finally:
+        client.close()
+        cluster.close()
+
+
 def test_teardown_and_world_say_what_is_wrong(tmp_path, capsys):
     """teardown() of a never-bootstrapped cluster raised a bare TypeError; world() of a closed client an
     AttributeError; `dask-pgas world` printed a traceback when bootstrap was refused."""
