@@ -303,6 +303,12 @@ class LocalMPICluster:
     def _watch_step(self) -> None:
         """One MPI rank dying takes the whole MPI job down (MPICH's hydra kills the others): start a new job
         of workers, so the cluster keeps computing; the PGAS world stays broken until bootstrapped again."""
+        if self._scheduler.poll() is not None and self.status == Status.running:
+            # workers started now would wait for it for ever: the cluster is done (close() cleans up)
+            self.status = Status.failed
+            logging.getLogger(__name__).warning(
+                "LocalMPICluster: the scheduler exited (code %s); close this cluster and start a new one",
+                self._scheduler.returncode)
         if self._workers.poll() is None:
             if self._workers.pid not in self._shm:  # a restarted job, once its ranks are up
                 self._note_shm(final=time.monotonic() - self._spawned_at > 30)
@@ -427,6 +433,8 @@ class LocalMPICluster:
             deadline = time.monotonic() + timeout
             if self._scheduler.poll() is None:
                 self._shutdown(timeout)
+            else:  # nobody tells the workers to go: they would wait for their scheduler until killed
+                deadline = time.monotonic()
             for proc in self._procs:
                 try:
                     proc.wait(max(deadline - time.monotonic(), 0.1))

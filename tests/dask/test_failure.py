@@ -618,6 +618,25 @@ def test_close_keeps_to_its_timeout_with_an_unresponsive_worker():
         cluster.close()
 
 
+def test_a_dead_scheduler_ends_the_cluster_instead_of_restarting_workers_against_it():
+    """When the scheduler died the watcher restarted the worker job, whose ranks then waited for it for ever,
+    the cluster said 'running', and close() waited its whole timeout for them."""
+    cluster = dask_pgas.LocalMPICluster(n_workers=2, bootstrap=False)
+    try:
+        os.kill(cluster._scheduler.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while cluster.status.name == "running" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert cluster.status.name == "failed"
+        time.sleep(3)  # (the worker job ends once its ranks lose the scheduler, or at close)
+        assert cluster.restarts == 0
+        t0 = time.monotonic()
+        cluster.close(timeout=20)
+        assert time.monotonic() - t0 < 10, time.monotonic() - t0
+    finally:
+        cluster.close()
+
+
 def test_teardown_and_world_say_what_is_wrong(tmp_path, capsys):
     """teardown() of a never-bootstrapped cluster raised a bare TypeError; world() of a closed client an
     AttributeError; `dask-pgas world` printed a traceback when bootstrap was refused."""
