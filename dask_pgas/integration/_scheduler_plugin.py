@@ -380,7 +380,10 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                 if not self._recoverable(infos):
                     self.world, self.backends = (), ()
                     return {"status": "error", "message": f"the world is broken ({broken}) and a member left or "
-                            "is stuck inside a collective; restart the cluster"}
+                            "is stuck inside a collective, so it cannot be torn down collectively; it is dropped. "
+                            "dask_pgas.bootstrap(client) builds a new world from the workers there are now (a "
+                            "LocalMPICluster restarts a lost worker job by itself); workers stuck in the old "
+                            "collective refuse it, and then the cluster must be restarted"}
             # the world ends now, before the members finalize: a rechunk whose last transfer task lands
             # meanwhile gets a clear error instead of a run on PEs that are tearing down
             self.world = ()
