@@ -347,27 +347,36 @@ def main():
 
     check("symmetric-positions-agreed", symmetric_positions_agreed)
 
-    def misaligned_view_operand():
-        # a view 8 bytes into its allocation (the same on every rank) while the boxes let cuFFTMp move 16-byte
-        # words: the pointers are not 16-byte aligned, so the reshape takes the peer copies (it ran cuFFTMp's
-        # double2 kernels on a misaligned pointer); the boxes' bounds are all even, so the plan picks 16
-        n = 4 * SIZE
+    def misaligned_reshape(n, ins, outs, mine, empty_here=False, plan_check=None):
+        # a reshape of a view 8 bytes into its allocation (the same offset on every rank), of [-1, mine...]
         g = np.arange(n, dtype=np.float64)
-        ins = [Box((4 * r,), (4 * r + 4,)) for r in range(SIZE)]
-        outs = [Box((max(4 * r - 2, 0),), (4 * r + 2 if r < SIZE - 1 else n,)) for r in range(SIZE)]
-        a = sym(np.concatenate([[-1.0], g[4 * RANK: 4 * RANK + 4]]))
+        a = sym(np.concatenate([[-1.0], mine(g)]))
         try:
-            with Reshape(a[1:], ins[RANK], outs[RANK]) as r:
+            with Reshape(a[1:1] if empty_here else a[1:], ins[RANK], outs[RANK]) as r:
                 r.plan()
-                if SIZE > 1:
-                    assert r._plan.mode == "cufftmp" and r._plan.layout.word_size == 16, (
-                        r._plan.mode, r._plan.layout and r._plan.layout.word_size)
+                assert r._offset == 8, r._offset
+                if plan_check is not None:
+                    plan_check(r._plan)
                 out = r.execute()
                 cp.cuda.Device().synchronize()
                 assert np.array_equal(cp.asnumpy(out), piece(g, outs[RANK])), cp.asnumpy(out)
                 dask_pgas.free_symmetric_memory(out)
         finally:
             dask_pgas.free_symmetric_memory(a)
+
+    def misaligned_view_operand():
+        # the boxes' bounds are all even, so the plan moves 16-byte words: the operand's pointers are not
+        # 16-byte aligned, so the reshape takes the peer copies (it ran cuFFTMp's double2 kernels on them)
+        n = 4 * SIZE
+        ins = [Box((4 * r,), (4 * r + 4,)) for r in range(SIZE)]
+        outs = [Box((max(4 * r - 2, 0),), (4 * r + 2 if r < SIZE - 1 else n,)) for r in range(SIZE)]
+
+        def sixteen_byte_words(plan):
+            if SIZE > 1:
+                assert plan.mode == "cufftmp" and plan.layout.word_size == 16, (
+                    plan.mode, plan.layout and plan.layout.word_size)
+
+        misaligned_reshape(n, ins, outs, lambda g: g[4 * RANK: 4 * RANK + 4], plan_check=sixteen_byte_words)
 
     check("misaligned-view-operand", misaligned_view_operand)
 
@@ -378,22 +387,11 @@ def main():
         if SIZE < 2:
             return
         n = 4 * (SIZE - 1)
-        g = np.arange(n, dtype=np.float64)
         ins = [Box((0,), (0,))] + [Box((4 * (r - 1),), (4 * r,)) for r in range(1, SIZE)]
         bounds = [0] + [4 * r - 2 for r in range(1, SIZE)] + [n]
         outs = [Box((bounds[r],), (bounds[r + 1],)) for r in range(SIZE)]
-        mine = g[4 * (RANK - 1): 4 * RANK] if RANK else np.zeros(4)
-        a = sym(np.concatenate([[-1.0], mine]))
-        try:
-            with Reshape(a[1:1] if RANK == 0 else a[1:], ins[RANK], outs[RANK]) as r:
-                r.plan()
-                assert r._offset == 8, r._offset
-                out = r.execute()
-                cp.cuda.Device().synchronize()
-                assert np.array_equal(cp.asnumpy(out), piece(g, outs[RANK])), cp.asnumpy(out)
-                dask_pgas.free_symmetric_memory(out)
-        finally:
-            dask_pgas.free_symmetric_memory(a)
+        misaligned_reshape(n, ins, outs, lambda g: g[4 * (RANK - 1): 4 * RANK] if RANK else np.zeros(4),
+                           empty_here=RANK == 0)
 
     check("misaligned-view-with-an-empty-rank", misaligned_view_with_an_empty_rank)
 
