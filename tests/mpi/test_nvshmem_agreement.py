@@ -45,6 +45,8 @@ EXPECTED = {
     "plan: cuFFTMp asks one rank for a workspace": "none",
     "plan: a workspace past the heap cap is refused on every rank": "MemoryError",
     "plan: healthy after the refused workspace": "none",
+    "execute: the second staging buffer is past the heap cap": "MemoryError",
+    "execute: no leak after the refused staging": "none",
     "dtype: torch has no such dtype, on every rank": "SymmetricMemoryError",
     "dtype: no leak after the refused dtype": "none",
     "dtype: torch has no such dtype, on one rank": "SymmetricMemoryError",

@@ -417,6 +417,23 @@ case("plan: a workspace past the heap cap is refused on every rank", lambda: wit
 case("plan: healthy after the refused workspace", healthy)
 
 
+def staging_past_the_cap():
+    """NumPy operands go through two symmetric staging buffers. With room for one only, the second is refused on
+    every rank; the first must be freed with it (it leaked, counted against the cap until finalize)."""
+    settings = ENGINE.settings
+    ENGINE._drain_pool()
+    size = N * 4 * 8  # the largest box, in bytes: each staging buffer
+    ENGINE.settings = dataclasses.replace(settings, heap_limit=ENGINE._held() + size + size // 2)
+    try:
+        reshape(np.zeros(col().box_shape), col(), row())
+    finally:
+        ENGINE.settings = settings
+
+
+case("execute: the second staging buffer is past the heap cap", staging_past_the_cap)
+case("execute: no leak after the refused staging", healthy)
+
+
 # -- a dtype the package cannot view is refused before the collective allocation -------------------------------
 def refused(dtype, internal=False):
     if internal:
