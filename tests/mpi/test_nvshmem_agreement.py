@@ -46,6 +46,8 @@ EXPECTED = {
     "plan: a workspace past the heap cap is refused on every rank": "MemoryError",
     "plan: healthy after the refused workspace": "none",
     "execute: the second staging buffer is past the heap cap": "MemoryError",
+    "execute: a misaligned operand takes the peer copies on every rank": "none",
+    "execute: an aligned operand runs cuFFTMp on every rank": "none",
     "execute: no leak after the refused staging": "none",
     "dtype: torch has no such dtype, on every rank": "SymmetricMemoryError",
     "dtype: no leak after the refused dtype": "none",
@@ -94,11 +96,14 @@ def test_gpu_engine_agrees_before_collectives(nranks):
         "dtype: torch has no such dtype, on every rank": ("malloc",),
         "dtype: torch has no such dtype, on one rank": ("malloc",),
         "plan: a workspace past the heap cap is refused on every rank": ("malloc", "execute"),
+        "execute: a misaligned operand takes the peer copies on every rank": ("execute",),
         "device memory: one rank's GPU is short": ("malloc",),
         "device memory: PEs sharing a GPU need room for all of them": ("malloc",),
     }
     for name, forbidden in never.items():
         assert not [c for c in calls[name] for f in forbidden if c.get(f)], (name, calls[name])
+    aligned = calls["execute: an aligned operand runs cuFFTMp on every rank"]
+    assert len(aligned) == nranks and all(c.get("execute") for c in aligned), aligned
     # handles are destroyed where that cannot hang: after a failed Create on the ranks that created one (Destroy of
     # an unmade handle is local), after a Make that failed everywhere, or a failed size query, on every rank
     def destroys(name):  # per rank: ``calls`` lists each case's ranks in rank order (rank 0 prints the gather)

@@ -397,6 +397,29 @@ case("peer: viewing memory fails on one rank", lambda: peer_reshape(fail=True))
 case("peer: healthy after the failed copy", peer_reshape)
 
 
+def misaligned_offset(offset):
+    """A cuFFTMp plan of 16-byte words given an operand ``offset`` bytes into its allocation (agreed across ranks:
+    Reshape passes the offset its position check found). At 8, every rank takes the peer copies, also the last,
+    whose own pointer is aligned here (a rank whose piece is empty passes a view nobody compares): no rank may
+    enter cuFFTMp's exec alone. At 0 every rank runs cuFFTMp."""
+    with peer_copies_on_host():
+        ENGINE.settings = dataclasses.replace(ENGINE.settings, force_peer=False)
+        with dask_pgas.Reshape(np.zeros(col().box_shape), col(), row()) as r:
+            r.plan()
+            plan = r._plan
+            assert plan.mode == "cufftmp" and plan.layout.word_size == 16, (plan.mode, plan.layout)
+            a, b = ENGINE.allocate(plan.nbytes_in + 16), ENGINE.allocate(plan.nbytes_out)
+            try:
+                plan._run(a.ptr + (offset if RANK != LAST else 0), b.ptr, 0, True, offset)
+            finally:
+                ENGINE.free(a)
+                ENGINE.free(b)
+
+
+case("execute: a misaligned operand takes the peer copies on every rank", lambda: misaligned_offset(8))
+case("execute: an aligned operand runs cuFFTMp on every rank", lambda: misaligned_offset(0))
+
+
 def with_workspace(limit=None):
     """cuFFTMp asks only the last rank for a workspace: every rank allocates that size, executes with it and frees
     it. With a heap ``limit`` below it the engine refuses it on every rank before the collective malloc."""
