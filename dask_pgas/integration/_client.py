@@ -65,19 +65,19 @@ def _client(client):
         client = default_client()
     if client.status in ("closing", "closed"):
         raise PGASWorldError(f"the client is {client.status}: use a connected client of the cluster")
-    _not_on_its_event_loop(client)
-    return client
-
-
-def _not_on_its_event_loop(client) -> None:
-    """dask_pgas's client calls block on the scheduler: on an asynchronous client's event loop they would get
-    coroutines back (and took them for 'no world')."""
-    if getattr(client, "asynchronous", False):
+    if on_its_event_loop(client):
         raise TypeError(
             "dask_pgas calls the scheduler synchronously and cannot run on the event loop of an asynchronous "
             "Client: run it in a thread, e.g. await asyncio.to_thread(dask_pgas.bootstrap, client) (the same "
             "for world, teardown and building a rechunk), or use a synchronous Client"
         )
+    return client
+
+
+def on_its_event_loop(client) -> bool:
+    """Whether this runs on an asynchronous client's event loop: there its scheduler calls return coroutines,
+    and dask_pgas's client calls block on the scheduler (they took the coroutines for 'no world')."""
+    return bool(getattr(client, "asynchronous", False))
 
 
 def _world_from(d: dict) -> World:
@@ -128,7 +128,6 @@ def scheduler_world(client, **kwargs: Any) -> dict | None:
     """The scheduler plugin's description of the world (``describe_world``), or None when the scheduler has no
     dask_pgas plugin (:func:`bootstrap` never ran there). A scheduler not yet seen with the plugin is asked
     first whether it has one, so that a never-bootstrapped scheduler logs no missing-handler traceback."""
-    _not_on_its_event_loop(client)
     address = client.scheduler.address
     if address not in _SCHEDULERS_WITH_PLUGIN:
         try:

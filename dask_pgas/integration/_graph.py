@@ -25,7 +25,7 @@ from typing import Any
 from dask._task_spec import Task, TaskRef
 
 from ..errors import CollectiveError
-from ._worker_plugin import RunSpec, get_plugin, refuse_lossy_casts, refuse_masked
+from ._worker_plugin import RunSpec, get_plugin, refuse_unmovable
 
 
 class _Unfused(Task):
@@ -105,8 +105,7 @@ def assemble(pe: int, epoch: int, npes: int, shape: tuple, dtype: Any, pieces: t
     import numpy as np
 
     get_plugin().check(pe, epoch, npes)
-    refuse_masked(arrays)
-    refuse_lossy_casts(arrays, dtype)
+    refuse_unmovable(arrays, dtype)
     if len(pieces) == 1:
         view = arrays[0][pieces[0][0]]
         if view.shape == tuple(shape) and view.dtype == dtype:

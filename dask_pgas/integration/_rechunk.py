@@ -41,7 +41,7 @@ import dask
 import numpy as np
 
 from ..errors import PGASRechunkUnsupported
-from ._client import scheduler_world
+from ._client import on_its_event_loop, scheduler_world
 from ._config import check_all, setting
 from ._worker_plugin import RunSpec
 
@@ -202,7 +202,7 @@ def rechunk(
             return _fallback(x, chunks, "there is no Dask distributed client",
                              "Start one on a cluster with a PGAS world (dask_pgas.LocalMPICluster + "
                              "dask_pgas.bootstrap(client)).", *args)
-    if getattr(client, "asynchronous", False):  # its scheduler calls would return coroutines here
+    if on_its_event_loop(client):
         return _fallback(x, chunks, "it was called on the event loop of an asynchronous Client, and building a pgas "
                          "rechunk asks the scheduler synchronously",
                          "Build it in a thread: y = await asyncio.to_thread(dask_pgas.rechunk, x, chunks).", *args)

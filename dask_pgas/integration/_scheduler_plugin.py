@@ -544,12 +544,12 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         logger.error("dask_pgas: %s", self.broken)
         for run in self._in_flight():
             run.fail(message)
-        msgs = {
-            w: [{"op": "pgas-fail", "message": self.broken, "epoch": self.epoch}]
-            for w in self.world
-            if w in self.scheduler.workers
-        }
-        self.scheduler.send_all({}, msgs)
+        self._tell_members({"op": "pgas-fail", "message": self.broken, "epoch": self.epoch})
+
+    def _tell_members(self, msg: dict) -> None:
+        """Send ``msg`` on the batched stream of every member that is still here (no reply)."""
+        if msgs := {w: [msg] for w in self.world if w in self.scheduler.workers}:
+            self.scheduler.send_all({}, msgs)
 
     # ---------------------------------------------------------------- scheduler hooks
     def update_graph(self, scheduler, *, tasks=(), **kwargs) -> None:
@@ -611,10 +611,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             # now, but the barrier stays erred while the client holds it, and they stayed with it, outside Dask's
             # memory accounting. (The run's own bookkeeping goes when the barrier is released or forgotten.)
             name = "pgas-rechunk-" + key[len("pgas-barrier-"):]
-            msgs = {w: [{"op": "pgas-forget", "name": name, "run": None, "epoch": self.epoch}] for w in self.world
-                    if w in self.scheduler.workers}
-            if msgs:
-                self.scheduler.send_all({}, msgs)
+            self._tell_members({"op": "pgas-forget", "name": name, "run": None, "epoch": self.epoch})
         done_with = finish == "forgotten" or (finish == "released" and start == "memory")
         if done_with and isinstance(key, str) and key.startswith("pgas-barrier-"):
             # every output task is done with the run's results: the workers can drop them. (Not when the
@@ -625,10 +622,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             self._finished.pop(name, None)
             if (run := self._runs.pop(name, None)) is not None:  # cancelled while its collective runs
                 self._detached.add(run)
-            msgs = {w: [{"op": "pgas-forget", "name": name, "run": seq, "epoch": self.epoch}] for w in self.world
-                    if w in self.scheduler.workers}
-            if msgs:
-                self.scheduler.send_all({}, msgs)
+            self._tell_members({"op": "pgas-forget", "name": name, "run": seq, "epoch": self.epoch})
 
     def remove_worker(self, scheduler, worker: str, *, stimulus_id: str, **kwargs) -> None:
         if worker not in self.world:

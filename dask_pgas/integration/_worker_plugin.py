@@ -801,10 +801,9 @@ class PGASWorkerPlugin(WorkerPlugin):
 
         if spec.delay:
             time.sleep(spec.delay)
-        refuse_masked(arrays)
         engine = runtime.engine_for_package(spec.package)
         dtype = np.dtype(spec.dtype)
-        refuse_lossy_casts(arrays, dtype)
+        refuse_unmovable(arrays, dtype)
         in_box = spec.input_boxes[self.pe]
         out_box = spec.output_boxes[self.pe]
         src = None
@@ -831,28 +830,27 @@ class PGASWorkerPlugin(WorkerPlugin):
         return src, dst
 
 
-def refuse_masked(arrays: tuple) -> None:
-    """Chunks that are masked arrays under a plain ``_meta`` (Dask's default for ``from_delayed`` or
-    ``map_blocks``): the collective and the local copies move data, not masks, so this raises, as a masked
-    ``_meta`` makes ``rechunk`` follow ``pgas.fallback`` before any task runs."""
-    import numpy as np
+def refuse_unmovable(arrays: tuple, dtype: Any) -> None:
+    """Raise for chunks a pgas rechunk would change while moving them, before any data moves.
 
-    if any(isinstance(a, np.ma.MaskedArray) for a in arrays):
-        raise UnsupportedOperandError(
-            "a chunk is a numpy masked array, but the Dask array's meta is a plain ndarray: a pgas rechunk moves "
-            "data, not masks. Give the array a masked meta (e.g. map_blocks(..., meta=np.ma.masked_array([]))), "
-            "which makes rechunk follow pgas.fallback, or rechunk with method='tasks'"
-        )
-
-
-def refuse_lossy_casts(arrays: tuple, dtype: Any) -> None:
-    """Chunks of another dtype than the array's (a ``map_blocks`` or ``from_delayed`` that declared a wrong one):
-    packing them into the array's dtype casts them. A cast that keeps every value (byte order, a wider type) is
-    done; one that can lose data (2.75 into an integer, ``'hello'`` into ``'U2'``) raises instead of truncating
-    silently, where Dask's own rechunk would move the chunks unchanged."""
+    - Masked arrays under a plain ``_meta`` (Dask's default for ``from_delayed`` or ``map_blocks``): the
+      collective and the local copies move data, not masks. (A masked ``_meta`` makes ``rechunk`` follow
+      ``pgas.fallback`` before any task runs.)
+    - Chunks of another dtype than the array's (a ``map_blocks`` or ``from_delayed`` that declared a wrong one):
+      packing them into the array's dtype casts them. A cast that keeps every value (byte order, a wider type) is
+      done; one that can lose data (2.75 into an integer, ``'hello'`` into ``'U2'``) raises instead of truncating
+      silently, where Dask's own rechunk would move the chunks unchanged.
+    """
     import numpy as np
 
     for a in arrays:
+        if isinstance(a, np.ma.MaskedArray):
+            raise UnsupportedOperandError(
+                "a chunk is a numpy masked array, but the Dask array's meta is a plain ndarray: a pgas rechunk "
+                "moves data, not masks. Give the array a masked meta (e.g. map_blocks(..., "
+                "meta=np.ma.masked_array([]))), which makes rechunk follow pgas.fallback, or rechunk with "
+                "method='tasks'"
+            )
         if a.dtype != dtype and not np.can_cast(a.dtype, dtype, casting="safe"):
             raise UnsupportedOperandError(
                 f"a chunk has dtype {a.dtype}, but the Dask array declares {dtype}: a pgas rechunk moves the "
