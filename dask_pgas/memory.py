@@ -43,8 +43,8 @@ class _Record:
     collected: bool = False
 
 
-#: attributes the GPU engine sets on the torch tensors it makes (an empty tensor's address, its storage's keeper)
-_ENGINE_ATTRS = ("_dask_pgas_ptr", "_dask_pgas_root", "_dask_pgas_keeper")
+#: attributes the GPU engine sets on the torch tensors it makes (its storage's keeper, an empty tensor's root)
+_ENGINE_ATTRS = ("_dask_pgas_keeper", "_dask_pgas_root")
 
 _lock = threading.RLock()
 _seq = itertools.count()

@@ -207,12 +207,13 @@ def _ptr(array: Any) -> int:
     if mod.startswith("cupy"):
         return int(array.data.ptr)
     # torch reports data_ptr() == 0 for empty tensors; cuFFTMp and the peer path still need the symmetric address
-    # of every PE's buffers (they derive peers' addresses from the local ones), so as_array remembers it on the
-    # tensor and on its root, which every view of it (permute, view, reshape) has as ``_base`` (and which the
-    # tensor keeps alive: a view made after the tensor is gone may report 0)
+    # of every PE's buffers (they derive peers' addresses from the local ones): the keeper as_array puts on the
+    # tensor, and on its root, which every view of it (permute, view, reshape) has as ``_base`` (and which the
+    # tensor keeps alive: a view made after the tensor is gone may report 0), holds it
     ptr = array.data_ptr()
     if not ptr:
-        ptr = getattr(array, "_dask_pgas_ptr", 0) or getattr(array._base, "_dask_pgas_ptr", 0)
+        keeper = getattr(array, "_dask_pgas_keeper", None) or getattr(array._base, "_dask_pgas_keeper", None)
+        ptr = keeper.ptr if keeper is not None else 0
     return int(ptr)
 
 
@@ -226,6 +227,7 @@ class _CAI:
     """A raw device buffer exposing ``__cuda_array_interface__`` (bytes), for torch.as_tensor."""
 
     def __init__(self, ptr: int, nbytes: int, owner: Any) -> None:
+        self.ptr = ptr
         self.__cuda_array_interface__ = {
             "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None,
             "stream": None,
@@ -654,13 +656,13 @@ class NVSHMEMEngine(Engine):
                 t = t.view(tuple(reversed(shape))).permute(*reversed(range(len(shape))))
             else:
                 t = t.view(shape)
-            if count == 0:
-                t._dask_pgas_ptr = allocation.ptr
-                root = t._base  # what views of t report as their _base; its Python object lives only while
-                if root is not None:  # something holds it, so t does (else the attribute goes with it)
-                    root._dask_pgas_ptr = allocation.ptr
-                    t._dask_pgas_root = root
-            t._dask_pgas_keeper = keeper  # (for the registry: alive while any view of the memory is)
+            # keeper: for the registry (alive while any view of the memory is), and the address of an empty t
+            t._dask_pgas_keeper = keeper
+            if count == 0 and t._base is not None:
+                # what views of t report as their _base: its Python object lives only while something holds
+                # it, so t does (else the attribute goes with it)
+                t._base._dask_pgas_keeper = keeper
+                t._dask_pgas_root = t._base
             return t
         raise UnsupportedOperandError(f"the nvshmem engine allocates cupy or torch arrays, not {package}")
 
@@ -847,7 +849,7 @@ class NVSHMEMReshapePlan(ReshapePlan):
         if pkg == "numpy":
             self._execute_host(src, dst)
             return
-        handle = stream if isinstance(stream, int) else stream_handle(stream, pkg)
+        handle = stream_handle(stream, pkg)  # (an int, as Reshape.execute resolves it, is returned as is)
         self._last_stream = handle
         self._run(_ptr(src), _ptr(dst), handle, sync_symmetric_memory, operand_offset or 0)
 
