@@ -207,12 +207,12 @@ def rechunk(
                          "rechunk asks the scheduler synchronously",
                          "Build it in a thread: y = await asyncio.to_thread(dask_pgas.rechunk, x, chunks).", *args)
     world = _world(client, x)
+    if world and world["broken"]:  # (also once teardown dropped it: world() shows the same)
+        return _fallback(x, chunks, world["broken"], "", *args)  # (it says how to recover)
     if not world or not world["workers"]:
         return _fallback(x, chunks, "the cluster has no PGAS world",
                          "Call dask_pgas.bootstrap(client); when it refuses, its message says why this cluster "
                          "cannot have one (its workers must be the ranks of one MPI job, or GPU workers).", *args)
-    if world["broken"]:
-        return _fallback(x, chunks, world["broken"], "", *args)  # (it says how to recover)
     if package == "cupy" and "nvshmem" not in world["backends"]:
         return _fallback(x, chunks, "CuPy chunks need the 'nvshmem' backend on GPU workers",
                          "Bootstrap GPU workers with backends=['nvshmem'].", *args)

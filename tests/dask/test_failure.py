@@ -87,6 +87,14 @@ def test_teardown_kill_and_close(capfd):
             shm = mpi_shm_files(pids)
             assert shm or not _mpich()
             assert dask_pgas.world(client).broken
+            # teardown cannot end a world that lost a member collectively: it drops it, and world() and
+            # rechunk then tell the same story (rechunk said "no PGAS world" while world() showed it broken)
+            with pytest.raises(PGASWorldError, match="it is dropped"):
+                dask_pgas.teardown(client)
+            dropped = dask_pgas.world(client)
+            assert dropped.broken and dropped.npes == 0
+            with pytest.raises(PGASRechunkUnsupported, match="left the PGAS world"):
+                dask_pgas.rechunk(x, (50, 300))
             # the input stays computable
             np.testing.assert_array_equal(host(x.rechunk((50, 300), method="tasks").compute()), ref)
             # and a new world comes up on the new workers
