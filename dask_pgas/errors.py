@@ -79,12 +79,19 @@ class CollectiveMismatchError(CollectiveError):
     calls: tuple[str | None, ...] | None = None
 
 
-class SymmetricMemoryLeakWarning(ResourceWarning):
-    """A symmetric allocation was garbage collected without ``free_symmetric_memory``."""
+class SymmetricMemoryLeakWarning(UserWarning):
+    """A symmetric allocation was garbage collected without ``free_symmetric_memory``.
+
+    Shown by default (not a ``ResourceWarning``, which Python hides): the memory stays allocated until
+    ``finalize()``, and a heap is small. It points at the line that allocated the memory."""
 
 
-def warn_leak(message: str) -> None:
-    warnings.warn(message, SymmetricMemoryLeakWarning, stacklevel=3)
+def warn_leak(message: str, origin: tuple[str, int] | None) -> None:
+    """Warn from a finalizer, where no caller's frame means anything: at ``origin`` (file, line) instead."""
+    if origin is None:
+        warnings.warn(message, SymmetricMemoryLeakWarning, stacklevel=2)
+    else:  # (no registry: every leaked allocation is reported, not only the first of its line)
+        warnings.warn_explicit(message, SymmetricMemoryLeakWarning, origin[0], origin[1])
 
 
 # -- the Dask integration's

@@ -13,6 +13,8 @@ import itertools
 import logging
 import math
 import operator
+import os
+import sys
 import threading
 import weakref
 from collections.abc import Sequence
@@ -40,6 +42,7 @@ class _Record:
     ref: weakref.ref  # the array allocate_symmetric_memory returned (what free_symmetric_memory takes)
     desc: str
     keep: weakref.ref  # lives exactly as long as the memory is referenced (see _register)
+    origin: tuple[str, int] | None = None  # the caller's line that allocated it (the leak warning points there)
     collected: bool = False
 
 
@@ -225,10 +228,21 @@ def _register(engine: Engine, allocation: Allocation, array: Any, desc: str, kee
     keeper = array if keeper is None else keeper
     seq = next(_seq)
     rec = _Record(seq, _control_plane().number("allocation"), engine, allocation, weakref.ref(array), desc,
-                  weakref.ref(keeper))
+                  weakref.ref(keeper), _caller())
     _live[seq] = rec
     _by_id[id(array)] = seq
     weakref.finalize(keeper, _collected, seq)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _caller() -> tuple[str, int] | None:
+    """(file, line) of the innermost frame outside this package: where the user's code allocated."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+    return None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
 
 
 def _collected(seq: int) -> None:
@@ -238,7 +252,8 @@ def _collected(seq: int) -> None:
     rec.collected = True
     warn_leak(
         f"symmetric memory ({rec.desc}, {rec.allocation.nbytes} bytes) was garbage collected without "
-        "free_symmetric_memory(); it stays allocated until dask_pgas.finalize()"
+        "free_symmetric_memory(); it stays allocated until dask_pgas.finalize()",
+        rec.origin,
     )
 
 

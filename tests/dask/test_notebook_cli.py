@@ -23,6 +23,20 @@ def test_notebook_runs(monkeypatch):
     monkeypatch.setenv("DASK_PGAS_NOTEBOOK_WORKERS", "2")
     monkeypatch.delenv("DASK_PGAS_SCHEDULER_FILE", raising=False)
     nb = nbformat.read(os.path.join(ROOT, "notebooks", "01_pgas_rechunk.ipynb"), as_version=4)
+    # the cluster cell runs twice, as a user re-running it does: the first cluster must end (a Client kept it
+    # running, with its MPI job, until the kernel exited)
+    start = next(i for i, c in enumerate(nb.cells) if "LocalMPICluster(" in c.source and c.cell_type == "code")
+    first = nbformat.v4.new_code_cell("first_pids = cluster.worker_pids(); assert first_pids")
+    gone = nbformat.v4.new_code_cell(
+        "import time\n"
+        "from dask_pgas.integration._orphan_guard import _alive\n"
+        "deadline = time.monotonic() + 30\n"
+        "while any(map(_alive, first_pids)) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.1)\n"
+        "assert not any(map(_alive, first_pids)), first_pids\n"
+        "assert set(cluster.worker_pids()).isdisjoint(first_pids)\n"
+    )
+    nb.cells[start + 1:start + 1] = [first, nbformat.from_dict(nb.cells[start]), gone]
     nbclient.NotebookClient(nb, timeout=240, kernel_name="python3",
                             resources={"metadata": {"path": ROOT}}).execute()
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))

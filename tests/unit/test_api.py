@@ -228,6 +228,33 @@ def test_memory_in_use_follows_the_keeper_not_the_array_returned():
         dask_pgas.finalize()
 
 
+def test_a_leaked_allocation_is_reported_by_default_at_the_line_that_allocated_it(tmp_path):
+    """The leak warning was a ResourceWarning, which Python hides: a user saw nothing. It pointed at weakref's
+    finalizer. It now shows under Python's default filters, once per leaked allocation, at the user's line."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "leaky.py"
+    script.write_text(
+        "import gc, dask_pgas\n"
+        "from mpi4py import MPI\n"
+        "dask_pgas.initialize(None, MPI.COMM_SELF, ['mpi'])\n"
+        "for _ in range(2):\n"
+        "    a = dask_pgas.allocate_symmetric_memory((8,), 'numpy', dtype='float32')  # line 5\n"
+        "    del a\n"
+        "    gc.collect()\n"
+        "print(dask_pgas.heap_usage()['collected_unfreed'])\n"
+        "dask_pgas.finalize()\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2"]
+    leaks = [line for line in out.stderr.splitlines() if "SymmetricMemoryLeakWarning" in line]
+    assert len(leaks) == 2, out.stderr
+    assert all(line.startswith(f"{script}:5: SymmetricMemoryLeakWarning: symmetric memory (numpy (8,) float32")
+               for line in leaks), leaks
+
+
 def test_initialize_takes_the_process_group_by_either_name():
     """nvmath 0.9 and 1.0 name initialize's second argument ``process_group``; earlier releases ``communicator``.
     Both names work, giving both raises (every rank, through the exchange), and ProcessGroup is public."""
