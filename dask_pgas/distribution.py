@@ -16,7 +16,7 @@ import operator
 from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
-from .errors import ConvertDistributionError
+from .errors import ConvertDistributionError, NotInitializedError
 
 __all__ = [  # noqa: F822 (the last three: __getattr__)
     "Box",
@@ -47,7 +47,8 @@ def _nranks() -> int:
 
     ctx = get_context()
     if ctx is None:
-        raise RuntimeError("dask_pgas is not initialized: call dask_pgas.initialize() first")
+        raise NotInitializedError("dask_pgas is not initialized: call dask_pgas.initialize(backends=[...]) on "
+                                  "every rank first (Slab.box(rank, nranks, global_shape) needs no runtime)")
     return ctx.nranks
 
 

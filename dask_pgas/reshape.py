@@ -169,7 +169,8 @@ def _resolve_slabs(descs: list[dict]) -> None:
             raise DistributionError(
                 f"the operands are no {slab!r} of a global array of shape {tuple(whole)}: "
                 + "; ".join(f"rank {r} holds {shapes[r]}, its slab is {boxes[r].box_shape}" for r in wrong)
-                + f" (the first {whole[axis] % n} ranks hold one index more than the others on axis {axis})"
+                + (f" (the first {whole[axis] % n} ranks hold one index more than the others on axis {axis})"
+                   if whole[axis] % n else f" (every rank holds {whole[axis] // n} on axis {axis})")
             )
         for d, b in zip(descs, boxes):
             d["in"] = (b.lower, b.upper)

@@ -58,7 +58,7 @@ class World:
         return "\n".join(lines)
 
 
-def _client(client):
+def _client(client, call: str):
     if client is None:
         from distributed import default_client
 
@@ -68,8 +68,8 @@ def _client(client):
     if on_its_event_loop(client):
         raise TypeError(
             "dask_pgas calls the scheduler synchronously and cannot run on the event loop of an asynchronous "
-            "Client: run it in a thread, e.g. await asyncio.to_thread(dask_pgas.bootstrap, client) (the same "
-            "for world, teardown and building a rechunk), or use a synchronous Client"
+            f"Client: run it in a thread, e.g. await asyncio.to_thread(dask_pgas.{call}, client) (the same for "
+            "every dask_pgas call that takes a client, and for building a rechunk), or use a synchronous Client"
         )
     return client
 
@@ -100,7 +100,7 @@ def bootstrap(client=None, *, backends=None, timeout=None) -> World:
     if backends is None:  # this process's config (a key set with dask.config.set here)
         backends = setting("backends")
     timeout = setting("bootstrap-timeout") if timeout is None else duration(timeout, "bootstrap(timeout=...)")
-    client = _client(client)
+    client = _client(client, "bootstrap")
     client.register_plugin(PGASSchedulerPlugin())
     client.register_plugin(PGASWorkerPlugin())
     result = client.sync(client.scheduler.pgas_bootstrap, backends=backends, timeout=timeout)
@@ -149,7 +149,7 @@ def world(client=None, *, detail: bool = False) -> World | None:
 
     With ``detail`` every member also reports its symmetric heap use, runs and collective time.
     """
-    client = _client(client)
+    client = _client(client, "world")
     d = scheduler_world(client, detail=detail)
     if d is None:
         return None
@@ -163,7 +163,7 @@ def teardown(client=None) -> dict[str, int]:
 
     Returns the symmetric bytes each worker still holds afterwards (all zero when clean).
     """
-    client = _client(client)
+    client = _client(client, "teardown")
     if scheduler_world(client) is None:
         raise PGASWorldError("no PGAS world to tear down: dask_pgas.bootstrap(client) never ran on this cluster")
     try:

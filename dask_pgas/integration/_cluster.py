@@ -25,6 +25,7 @@ import json
 import logging
 import operator
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -217,6 +218,22 @@ class LocalMPICluster:
 
     >>> with LocalMPICluster(n_workers=4) as cluster, Client(cluster) as client:   # doctest: +SKIP
     ...     y = dask_pgas.rechunk(x, (1000, -1)).persist()
+
+    Args:
+        n_workers: MPI ranks of the worker job, one ``distributed.Worker`` each (one PE each). Fixed for the
+            cluster's life: an MPI job does not grow or shrink (``scale`` to another size and ``adapt`` raise).
+        threads_per_worker: task threads per worker (the collective runs on a thread of its own).
+        memory_limit: each worker's memory limit, as ``distributed.Worker`` reads it; None: ``"auto"`` for CPU
+            workers, none for GPU workers.
+        bootstrap: bring the PGAS world up on start (:func:`dask_pgas.bootstrap`).
+        backends: the world's backends (default config ``pgas.backends``).
+        mpiexec_args: extra arguments for ``mpiexec`` before ``-n``: a sequence of strings, or one string split
+            as a shell would (``"--bind-to none"``).
+        env: environment variables for the scheduler and the workers (strings), over this process's.
+        timeout: seconds to wait for the scheduler, the workers and the bootstrap.
+        restart_workers: start a new worker job when the running one ends (a rank died): MPI takes the whole
+            job down; the world then must be bootstrapped again.
+        gpus: one worker per GPU, worker ``k`` seeing GPU ``k mod gpus`` as its device 0; 0 for CPU workers.
     """
 
     def __init__(
@@ -236,6 +253,10 @@ class LocalMPICluster:
         if memory_limit is None:  # Dask counts CuPy chunks as host memory: no host limit to spill them by
             memory_limit = "0" if gpus else "auto"
         _check_arguments(n_workers, threads_per_worker, memory_limit, gpus, timeout)
+        if isinstance(mpiexec_args, str):  # (unpacked as is, it gave mpiexec one argument per character)
+            mpiexec_args = tuple(shlex.split(mpiexec_args))
+        if not all(isinstance(a, str) for a in mpiexec_args):
+            raise ValueError(f"mpiexec_args must be strings, got {mpiexec_args!r}")
         bad_env = [(k, v) for k, v in (env or {}).items()
                    if not (isinstance(k, str) and isinstance(v, (str, bytes, os.PathLike)))]
         if bad_env:
@@ -383,7 +404,21 @@ class LocalMPICluster:
 
     @property
     def dashboard_link(self) -> str:
-        return ""
+        return ""  # (the scheduler runs without a dashboard)
+
+    def scale(self, n: int) -> None:
+        """The workers are the ranks of one MPI job: only their number is accepted."""
+        if n != self.n_workers:
+            raise NotImplementedError(
+                f"a LocalMPICluster's {self.n_workers} workers are the ranks of one MPI job, which cannot grow or "
+                f"shrink: close it and start LocalMPICluster(n_workers={n})"
+            )
+
+    def adapt(self, *args, **kwargs) -> None:
+        """Refused: the workers are one MPI job of a fixed size (see :meth:`scale`)."""
+        raise NotImplementedError(
+            "a LocalMPICluster's workers are the ranks of one MPI job of a fixed size: it cannot adapt"
+        )
 
     def logs(self) -> str:
         """The scheduler's and the worker jobs' output (after ``close()``: what it was then, the last MiB each)."""

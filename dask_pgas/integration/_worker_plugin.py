@@ -803,7 +803,7 @@ class PGASWorkerPlugin(WorkerPlugin):
             time.sleep(spec.delay)
         engine = runtime.engine_for_package(spec.package)
         dtype = np.dtype(spec.dtype)
-        refuse_unmovable(arrays, dtype)
+        refuse_unmovable(arrays, dtype, spec.package)
         in_box = spec.input_boxes[self.pe]
         out_box = spec.output_boxes[self.pe]
         src = None
@@ -830,8 +830,11 @@ class PGASWorkerPlugin(WorkerPlugin):
         return src, dst
 
 
-def refuse_unmovable(arrays: tuple, dtype: Any) -> None:
-    """Raise for chunks a pgas rechunk would change while moving them, before any data moves.
+def refuse_unmovable(arrays: tuple, dtype: Any, package: str | None = None) -> None:
+    """Raise for chunks a pgas rechunk would change while moving them (or cannot move), before any data moves.
+
+    - Chunks that are not NumPy/CuPy arrays, or (``package`` given: the collective's buffers) not of the
+      array's package, under a ``_meta`` that says they are.
 
     - Masked arrays under a plain ``_meta`` (Dask's default for ``from_delayed`` or ``map_blocks``): the
       collective and the local copies move data, not masks. (A masked ``_meta`` makes ``rechunk`` follow
@@ -843,7 +846,16 @@ def refuse_unmovable(arrays: tuple, dtype: Any) -> None:
     """
     import numpy as np
 
+    from .._arrays import package_of
+
     for a in arrays:
+        if (found := package_of(a)) is None or found == "torch" or (package is not None and found != package):
+            raise UnsupportedOperandError(
+                f"a chunk is a {type(a).__module__}.{type(a).__qualname__}, but the Dask array's meta says "
+                f"{package or 'numpy or cupy'} arrays: a pgas rechunk moves arrays of the meta's package. Make "
+                "the chunks match the meta (map_blocks(np.asarray) or map_blocks(cupy.asarray), or declare "
+                "meta=... in from_delayed/map_blocks), or rechunk with method='tasks'"
+            )
         if isinstance(a, np.ma.MaskedArray):
             raise UnsupportedOperandError(
                 "a chunk is a numpy masked array, but the Dask array's meta is a plain ndarray: a pgas rechunk "

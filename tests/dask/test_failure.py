@@ -43,6 +43,11 @@ def test_teardown_kill_and_close(capfd):
     assert len(pids) == 3
     shm = mpi_shm_files(pids)  # MPICH's per-job files, which a killed job leaves in /dev/shm
     assert shm or not _mpich()
+    cluster.scale(3)  # one MPI job: its size, and nothing else (Dask users call scale/adapt on clusters)
+    with pytest.raises(NotImplementedError, match=r"LocalMPICluster\(n_workers=4\)"):
+        cluster.scale(4)
+    with pytest.raises(NotImplementedError, match="cannot adapt"):
+        cluster.adapt(minimum=1, maximum=4)
     try:
         with Client(cluster) as client:
             x = on_device(da.random.random((300, 300), chunks=(300, 100))).persist()
@@ -375,12 +380,13 @@ def test_unreferenced_cluster_is_cleaned_up():
     assert not os.path.exists(directory)
 
 
-def test_worker_job_failing_at_start_fails_fast():
+@pytest.mark.parametrize("args", [("--no-such-flag",), "--no-such-flag"])  # a string is split as a shell would
+def test_worker_job_failing_at_start_fails_fast(args):
     """A worker job that exits at start (here, an argument mpiexec does not know) fails the start at once, with
-    the job's output; it does not wait for the timeout."""
+    the job's output; it does not wait for the timeout. (A string went to mpiexec one character at a time.)"""
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"(?s)worker job exited at start.*no-such-flag"):
-        dask_pgas.LocalMPICluster(n_workers=1, bootstrap=False, mpiexec_args=("--no-such-flag",), timeout=60)
+        dask_pgas.LocalMPICluster(n_workers=1, bootstrap=False, mpiexec_args=args, timeout=60)
     assert time.monotonic() - t0 < 15
 
 

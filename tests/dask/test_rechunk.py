@@ -180,6 +180,18 @@ def test_masked_chunks_under_a_plain_meta_are_refused(client, local):
     np.testing.assert_array_equal(dask_pgas.rechunk(da.arange(60.0, chunks=20), 7).compute(), np.arange(60.0))
 
 
+@cpu_only
+@pytest.mark.parametrize("local", [True, False])
+def test_chunks_that_are_no_arrays_are_refused_by_name(client, local):
+    """Chunks that are not arrays under an ndarray _meta (a map_blocks that returns lists) failed on the workers
+    with "'list' object has no attribute 'dtype'"; the error now says what the chunk is and what to do."""
+    x = da.arange(60.0, chunks=20).map_blocks(lambda b: b.tolist(), meta=np.array(()))
+    with dask.config.set({"pgas.local-rechunk": local}):
+        with pytest.raises(Exception, match=r"a chunk is a builtins\.list, but the Dask array's meta says"):
+            dask_pgas.rechunk(x, 7).compute()
+    assert dask_pgas.world(client).broken is None
+
+
 @pytest.mark.parametrize("local", [True, False])
 def test_chunks_of_another_dtype_are_cast_only_when_no_value_is_lost(client, local):
     """Chunks whose dtype differs from the one declared (map_blocks(..., dtype=...) that lies): the rechunk cast
@@ -574,10 +586,9 @@ def test_an_asynchronous_client_is_refused_on_its_event_loop_and_works_from_a_th
 
     async def main():
         async with Client(client.scheduler.address, asynchronous=True) as ac:
-            for call in (lambda: dask_pgas.world(ac), lambda: dask_pgas.bootstrap(ac),
-                         lambda: dask_pgas.teardown(ac)):
-                with pytest.raises(TypeError, match=r"asyncio\.to_thread"):
-                    call()
+            for name in ("world", "bootstrap", "teardown"):  # each names itself (all said bootstrap)
+                with pytest.raises(TypeError, match=rf"asyncio\.to_thread\(dask_pgas\.{name}, client\)"):
+                    getattr(dask_pgas, name)(ac)
             # a rechunk follows pgas.fallback (Dask's own rechunks of an app on the loop keep working with 'tasks')
             with pytest.raises(dask_pgas.errors.PGASRechunkUnsupported, match=r"asyncio\.to_thread"):
                 dask_pgas.rechunk(x, (5, 12), client=ac)

@@ -67,6 +67,8 @@ def test_bad_inputs_raise_the_same_error_on_every_rank(nranks, engine):
     assert not wrong, wrong
     # a ValueError, as nvmath raises for operands whose dtypes differ across processes
     assert outcomes["dtypes differ across ranks"]["raised"] == "OperandMismatchError"
+    # the slab's rule, said as it is (it said "the first 0 ranks hold one index more" for an even split)
+    assert f"(every rank holds {4 * nranks} on axis 0)" in outcomes["operands do not form the slab"]["message"]
 
 
 @pytest.mark.parametrize("engine", _engines())

@@ -96,6 +96,11 @@ def test_slab_api_like_nvmath():
         Slab.X.to(tuple)
     with pytest.raises(RuntimeError, match="global_shape"):
         Slab.X.shape(0)
+    import dask_pgas  # (not initialized in this process: these tests start no runtime)
+
+    assert dask_pgas.get_context() is None
+    with pytest.raises(dask_pgas.errors.NotInitializedError, match="initialize"):  # as every other call before it
+        Slab.X.shape(0, (4, 4))
 
 
 @pytest.mark.parametrize(
