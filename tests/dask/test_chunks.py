@@ -229,3 +229,50 @@ def test_shared_chunks():
     assert one.shared_chunks() == {(0, 0)}
     slabs = plan_chunks(((90,), (30, 30, 30)), ((30, 30, 30), (90,)), 3, {})
     assert slabs.shared_chunks() == set()
+
+
+# -- from a mutation review: each failed on a planner mutant that every other test let through
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 20), min_size=2, max_size=12))
+def test_two_pes_cut_at_the_boundary_closest_to_half(chunks):
+    """With 2 PEs a 1-D grid is cut at the chunk boundary closest to the middle (both neighbours of the
+    target are considered)."""
+    chunks = tuple(chunks)
+    n = sum(chunks)
+    bounds = np.cumsum(chunks)[:-1]
+    best = min(abs(int(c) - n / 2) for c in bounds)
+    a, _ = bisect_boxes((chunks,), 2)
+    assert abs(a.upper[0] - n / 2) == best
+
+
+def test_pes_follow_the_volume_of_an_uneven_cut():
+    """The PEs of each side of a cut follow its volume: a 25-element chunk and a 5-element one over 4 PEs
+    give the big chunk 3 PEs (8, 8, 9), not 2 (12, 13) with 2 PEs sharing the 5 elements."""
+    assert [b.size for b in bisect_boxes(((25, 5),), 4, split_chunks=True)] == [8, 8, 9, 5]
+
+
+def test_placed_fine_grid_stays_in_place_despite_a_local_alternative():
+    """Column blocks of a fine grid already on their PEs: the collective (3/4 of the bytes once) beats Dask
+    gathering row slabs (3/4 of the bytes at DASK_BYTE_COST each), though the row-slab plan would be local."""
+    n, p = 1024, 4
+    chunks_in, chunks_out = ((64,) * 16, (64,) * 16), ((n // p,) * p, (n,))
+    where = {(i, j): j // 4 for i in range(16) for j in range(16)}
+    plan = plan_chunks(chunks_in, chunks_out, p, where)
+    assert not plan.is_local
+    assert [(b.lower, b.upper) for b in plan.input_boxes] == [((0, 256 * k), (n, 256 * (k + 1))) for k in range(p)]
+
+
+def test_owner_weights_count_only_the_part_of_a_cut_chunk_in_the_box():
+    """Both input chunks on PE 0, the big one cut between three PEs: PE 0 keeps the whole small chunk (40
+    elements) rather than a third of the big one, and builds the single output chunk."""
+    plan = plan_chunks(((100, 40),), ((140,),), 4, {(0,): 0, (1,): 0})
+    assert plan.input_boxes[0].lower == (100,) and plan.output_owner() == {(0,): 0}
+
+
+def test_a_tie_goes_to_the_balanced_decomposition():
+    """Equal costs: the balanced candidate wins (as plan_chunks's docstring says), not the slab one."""
+    chunks = ((10,) * 2, (10,) * 8)
+    plan = plan_chunks(chunks, chunks, 4)
+    assert [b.box_shape for b in plan.input_boxes] == [(20, 20)] * 4

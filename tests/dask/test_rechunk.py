@@ -182,6 +182,37 @@ def test_masked_chunks_under_a_plain_meta_are_refused(client, local):
 
 @cpu_only
 @pytest.mark.parametrize("local", [True, False])
+def test_empty_output_chunks_keep_the_dtype(client, local):
+    """Output chunks of zero size are made from the array's meta: they have its dtype (a string one here)."""
+    ref = np.array([["ab", "cde", "f"]] * 4, dtype="U3")
+    x = da.from_array(ref, chunks=(4, 1)).persist()
+    with dask.config.set({"pgas.local-rechunk": local}):
+        y = dask_pgas.rechunk(x, ((4,), (0, 2, 0, 1)))
+        for j in (0, 2):
+            got = y.blocks[0, j].compute()
+            assert got.shape == (4, 0) and got.dtype == np.dtype("U3"), (j, got.dtype)
+        np.testing.assert_array_equal(y.compute(), ref)
+
+
+def test_recorded_owners_are_where_the_output_chunks_land(client):
+    """The owners recorded for a rechunk's output (which place a next rechunk of it) are the PEs that hold
+    its chunks once persisted."""
+    from distributed import wait
+
+    from dask_pgas.integration import _rechunk
+
+    w = dask_pgas.world(client)
+    n = 6 * w.npes
+    x = on_device(da.from_array(_reference((n, n), "float64"), chunks=(n, 6))).persist()
+    y = dask_pgas.rechunk(x, (6, n)).persist()
+    wait(y)
+    pe_of = {addr: pe for pe, addr in enumerate(w.workers)}
+    held = {key[1:]: pe_of[addrs[0]] for key, addrs in client.who_has(y).items()}
+    assert _rechunk._owners[y.name] == held
+
+
+@cpu_only
+@pytest.mark.parametrize("local", [True, False])
 def test_chunks_that_are_no_arrays_are_refused_by_name(client, local):
     """Chunks that are not arrays under an ndarray _meta (a map_blocks that returns lists) failed on the workers
     with "'list' object has no attribute 'dtype'"; the error now says what the chunk is and what to do."""
@@ -443,10 +474,19 @@ def test_unsupported_cases_follow_fallback(client):
     obj = da.from_array(np.array([object()] * 10, dtype=object), chunks=5)
     with pytest.raises(PGASRechunkUnsupported, match="objects"):
         dask_pgas.rechunk(obj, 10)
+    record = da.from_array(np.zeros(10, [("a", "<i4"), ("b", "O")]), chunks=5)  # objects inside a struct
+    with pytest.raises(PGASRechunkUnsupported, match="objects"):
+        dask_pgas.rechunk(record, 10)
     with dask.config.set({"pgas.fallback": "tasks"}):
         y = dask_pgas.rechunk(nan, {1: 10})
         assert not y.name.startswith("pgas")
         assert y.chunks[1] == (10, 10)
+    with dask.config.set({"pgas.fallback": "p2p"}):  # the method asked for, not tasks
+        assert dask_pgas.rechunk(nan, {1: 10}).name == nan.rechunk({1: 10}, method="p2p").name
+        assert dask_pgas.rechunk(nan, {1: 10}).name != nan.rechunk({1: 10}, method="tasks").name
+    # balance=True with the chunks the array has: Dask's balanced chunks, not the array unchanged
+    uneven = da.ones(10, chunks=((4, 4, 2),))
+    assert dask_pgas.rechunk(uneven, uneven.chunks, balance=True).chunks == ((5, 5),)
     # the mode is fixed when dask.array is imported: the key set later changes nothing, in Dask or here
     with dask.config.set({"array.query-planning": True}):
         y = dask_pgas.rechunk(x, 10)

@@ -377,3 +377,11 @@ def test_teardown_waits_for_the_rechunks_whose_tasks_still_need_the_world():
     assert plugin._unfinished() == ["pgas-output-abc"]
     plugin.scheduler.tasks[("pgas-output-abc", 0)].state = "memory"
     assert plugin._unfinished() == []
+
+
+def test_a_transfer_leaving_memory_is_not_ready_any_more():
+    """A transfer result released or lost before its run started no longer counts toward starting the run."""
+    plugin = _plugin()
+    plugin._ready["pgas-rechunk-abc"] = {0, 1}
+    plugin.transition(("pgas-transfer-abc", 0), "memory", "released")
+    assert plugin._ready == {"pgas-rechunk-abc": {1}}

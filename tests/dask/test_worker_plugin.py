@@ -276,3 +276,27 @@ def test_a_rechunk_computed_again_drops_its_old_output(plugin, monkeypatch):
     assert list(plugin._done) == [1]
     plugin._h_forget("pgas-rechunk-a", run=1, epoch=1)
     assert not plugin._done and not plugin._run_of and not plugin._dropped
+
+
+def test_a_failed_world_drops_the_staged_inputs(plugin):
+    """Inputs staged for runs that will never start hold the chunks outside Dask's memory accounting: a world
+    failure drops them (a failure of another world does not)."""
+    plugin._staged["pgas-rechunk-a"] = ("spec", (), (bytearray(10),))
+    plugin._h_fail("worker w1 (PE 1) left the PGAS world", epoch=0)
+    assert "pgas-rechunk-a" in plugin._staged and plugin.broken is None
+    plugin._h_fail("worker w1 (PE 1) left the PGAS world", epoch=1)
+    assert plugin._staged == {} and "left the PGAS world" in plugin.broken
+
+
+def test_teardown_drops_every_run_and_staged_input(plugin, monkeypatch):
+    from dask_pgas import runtime
+
+    monkeypatch.setattr(runtime, "is_initialized", lambda: True)
+    monkeypatch.setattr(runtime, "finalize", lambda: None)
+    plugin._staged["pgas-rechunk-a"] = ("spec", (), (bytearray(10),))
+    plugin._done[0] = concurrent.futures.Future()
+    plugin._dropped.add(1)
+    plugin._run_of["pgas-rechunk-a"] = 0
+    plugin._teardown()
+    assert not plugin._staged and not plugin._done and not plugin._dropped and not plugin._run_of
+    assert plugin.epoch is None and plugin.pe is None
