@@ -36,6 +36,8 @@ MESSAGES = {
         "rank 1: the operand was changed in place to shape (4, {n}) and dtype float64",
     "execute after the operand's dtype changed in place on one rank":
         "rank 1: the operand was changed in place to shape ({n}, 4) and dtype int64; the plan needs",
+    "execute after the operand's strides changed in place on one rank":
+        "rank 1: the operand is no longer C-contiguous, as it was when planned",
     "reset_operand to a freed symmetric array on one rank": "rank 1: the operand was freed",
     "execute after release_operand() on one rank": "rank 1: execute() cannot run after release_operand()",
     "execute after finalize()": "the runtime was finalized; create a new Reshape",
@@ -46,7 +48,7 @@ MESSAGES = {
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_misused_calls_raise_the_same_error_on_every_rank(nranks):
     result, outcomes = run_cases("bad_calls.py", nranks, timeout=180)  # hangs fail; ranks agree
-    assert len(outcomes) == 43, sorted(outcomes)
+    assert len(outcomes) == 44, sorted(outcomes)
     for name, outcome in outcomes.items():
         assert outcome["raised"] == outcome["expect"], (name, outcome)
         if outcome["expect"] != "none":

@@ -58,7 +58,7 @@ def test_random_layouts_with_and_without_packing(pack):
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_bad_inputs_raise_the_same_error_on_every_rank(nranks, engine):
     _, outcomes = run_cases("bad_inputs.py", nranks, *_engine_args(engine), timeout=180)  # hangs fail; ranks agree
-    assert len(outcomes) == 16, sorted(outcomes)
+    assert len(outcomes) == 17, sorted(outcomes)
     refusals = {"DistributionError", "UnsupportedOperandError", "OperandMismatchError", "SymmetricMemoryError",
                 "TypeError"}
     wrong = {name: outcome for name, outcome in outcomes.items()
@@ -69,6 +69,9 @@ def test_bad_inputs_raise_the_same_error_on_every_rank(nranks, engine):
     assert outcomes["dtypes differ across ranks"]["raised"] == "OperandMismatchError"
     # the slab's rule, said as it is (it said "the first 0 ranks hold one index more" for an even split)
     assert f"(every rank holds {4 * nranks} on axis 0)" in outcomes["operands do not form the slab"]["message"]
+    # the Slab checks refuse at construction, as DistributionError (not later, at execute, as another class)
+    for name in ("operands do not form the slab", "Slab operands differ in dimensionality across ranks"):
+        assert outcomes[name]["raised"] == "DistributionError", (name, outcomes[name])
 
 
 @pytest.mark.parametrize("engine", _engines())

@@ -296,6 +296,12 @@ def operand_changed_in_place_on_one_rank(change):
         if RANK == 1:
             if change == "shape":
                 a.shape = (4, N)
+            elif change == "strides":  # (deprecated in NumPy 2.4, still possible) now F-ordered, not C
+                import warnings
+
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    a.strides = (a.itemsize, a.itemsize * a.shape[0])
             else:
                 a.dtype = np.int64
         r.execute()
@@ -305,6 +311,8 @@ case("execute after the operand's shape changed in place on one rank",
      lambda: operand_changed_in_place_on_one_rank("shape"), "OperandMismatchError")
 case("execute after the operand's dtype changed in place on one rank",
      lambda: operand_changed_in_place_on_one_rank("dtype"), "OperandMismatchError")
+case("execute after the operand's strides changed in place on one rank",
+     lambda: operand_changed_in_place_on_one_rank("strides"), "OperandMismatchError")
 
 
 def reset_to_freed_on_one_rank():

@@ -114,6 +114,9 @@ case("Slab on some ranks, Box on others", lambda: run(
 case("Slab output over boxes away from the origin", lambda: run(
     operand(row().box_shape), Box((4 * RANK + 1, 0), (4 * RANK + 5, N)), Slab.Y
 ))
+case("Slab operands differ in dimensionality across ranks", lambda: run(  # off-axis extents alike: (4,)
+    operand((4, 3) if RANK == 0 else (4,)), Slab.Y, Slab.X
+))
 case("Slab extents off its axis differ across ranks", lambda: run(
     operand((4, N + 1) if RANK == 1 else (4, N)), Slab.X, row()
 ))

@@ -397,6 +397,18 @@ def unchecked_resets():
     assert all_ok(not failed), f"rank {RANK}: {failed or 'another rank failed'}"
 
 
+def result_memory_order():
+    """Operands that are both C- and F-contiguous (one row each) give C-ordered results, as NumPy would."""
+    n = 2 * SIZE
+    glob = np.arange(SIZE * n, dtype=np.float64).reshape(SIZE, n)
+    my_in, my_out = Box((RANK, 0), (RANK + 1, n)), Box((0, 2 * RANK), (SIZE, 2 * RANK + 2))  # rows -> columns
+    out = dask_pgas.reshape.reshape(piece(glob, my_in, "C"), my_in, my_out)
+    ok = out.flags.c_contiguous and np.array_equal(out, piece(glob, my_out, "C"))
+    assert all_ok(ok), f"rank {RANK}: the result of C- and F-contiguous operands is not C-ordered"
+
+
+if opts.package == "numpy":  # (host operands: the MPI engine)
+    result_memory_order()
 fixed_cases()
 unchecked_resets()
 if opts.package == "numpy":

@@ -217,6 +217,23 @@ if SIZE > 1:
     case("reshape of a freed symmetric operand on one rank", lambda: reshape_of_freed({1}), "SymmetricMemoryError")
     case("reshape of a view of a freed symmetric array on one rank", lambda: reshape_of_freed({1}, True),
          "SymmetricMemoryError")
+
+
+def result_padded_to_the_largest_output_box():
+    """A symmetric operand's result is symmetric memory of the same byte size on every rank (the largest output
+    box), also where this rank's output box is smaller or empty: rank 0 gathers the whole array."""
+    a = filled(float(RANK))
+    b = None
+    try:
+        b = reshape(a, COL, Box((0, 0), (N, N)) if RANK == 0 else Box((N, N), (N, N)))
+        rec = dask_pgas.memory._live[dask_pgas.memory._allocation_of(b)]
+        sizes = COMM.allgather(rec.allocation.nbytes)
+        assert sizes == [N * N * 8] * SIZE, sizes
+    finally:
+        release(a, b)
+
+
+case("a symmetric result is padded to the largest output box", result_padded_to_the_largest_output_box)
 case("no symmetric memory left after the freed-operand cases", _assert_empty)
 
 
