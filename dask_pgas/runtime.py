@@ -251,7 +251,12 @@ def finalize() -> None:
             return
         if is_initialized():  # every rank is in this call, or all raise; and none frees arrays still in use
             if bad := _control_plane().agree(_in_use(), "finalize()"):
-                raise SymmetricMemoryError("; ".join(f"rank {r}: {e}" for r, e in bad) + "; nothing was finalized")
+                said: dict[str, list[int]] = {}  # the same text from many ranks, said once
+                for r, e in bad:
+                    said.setdefault(e, []).append(r)
+                raise SymmetricMemoryError("; ".join(
+                    f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {e}" for e, rs in said.items()
+                ) + "; nothing was finalized")
         try:
             for engine in _engines.values():
                 _free_all(engine)

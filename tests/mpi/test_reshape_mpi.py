@@ -94,6 +94,11 @@ def test_symmetric_memory_rules(nranks, engine):
     assert len(outcomes) >= (22 if nranks > 1 else 18), sorted(outcomes)
     wrong = [outcome for outcome in outcomes.values() if outcome["raised"] != outcome["expect"]]
     assert not wrong, wrong
+    # what every rank says alike is said once (each rank's copy made the message as long as the world)
+    in_use = outcomes["finalize refuses while a symmetric array is in use"]["message"]
+    ranks = "ranks 0, 1, 2" if nranks == 3 else "rank 0"
+    assert in_use.startswith(f"{ranks}: 1 symmetric array(s) still in use"), in_use
+    assert in_use.count("still in use") == 1, in_use
     # a freed operand (or a view into freed memory) is refused by name, never read
     freed = [name for name in outcomes if "freed symmetric" in name or "was freed" in name or "allocation was" in name]
     assert len(freed) == (6 if nranks > 1 else 4), freed
