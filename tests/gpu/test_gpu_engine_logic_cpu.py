@@ -1,0 +1,406 @@
+"""The GPU engine's logic on CPU, over the fakes of test_gpu_planning_cpu.py: word layouts, plan modes, the
+symmetric pool and heap limit, streams, the unique-id bring-up and the environment set before NVSHMEM starts.
+Each test failed on a mutant of the engine that the other CPU tests let through (a mutation review)."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import numpy as np
+import pytest
+
+from dask_pgas.distribution import Box
+from dask_pgas.engines.base import ControlPlane, ReshapeSpec
+from dask_pgas.geometry.cufftmp_layout import cufftmp_layout
+from tests.gpu.test_gpu_planning_cpu import _fake_engine, boxes_cover
+
+
+def _byte_exact(shape, ins, outs, itemsize):
+    """Simulate cuFFTMp on the 3-D word layout (C order): every rank's input and output 3-D box addresses exactly
+    the bytes of its N-D box."""
+    lay = cufftmp_layout(ins, outs, itemsize)
+    rng = np.random.default_rng(1)
+    glob = rng.integers(0, 256, int(np.prod(shape)) * itemsize, dtype=np.uint8).view(f"V{itemsize}").reshape(shape)
+    g3 = glob.reshape(-1).view(np.uint8).view(f"V{lay.word_size}").reshape(lay.domain)
+    origin = Box((0,) * len(shape), shape)
+    for side, boxes in ((lay.input, ins), (lay.output, outs)):
+        for (lo, up, _), box in zip(side, boxes):
+            got = np.ascontiguousarray(g3[tuple(slice(a, b) for a, b in zip(lo, up))]).tobytes()
+            want = np.ascontiguousarray(glob[box.relative_to(origin)]).tobytes() if not box.is_empty else b""
+            assert got == want, (box, lo, up)
+    return lay
+
+
+def test_axes_merge_only_where_the_inner_axis_is_spanned_from_zero():
+    """A box that reaches the end of the inner axis but starts past 0, over several rows, is not one contiguous
+    run: the axes must not merge (slab tilings never show this: a hand-made tiling)."""
+    shape = (3, 4)
+    ins = [Box((0, 0), (1, 4)), Box((1, 2), (3, 4)), Box((1, 0), (2, 2)), Box((2, 0), (3, 2))]
+    outs = [Box((0, 0), (1, 4)), Box((1, 0), (2, 4)), Box((2, 0), (3, 4)), Box((0, 0), (0, 0))]
+    lay = _byte_exact(shape, ins, outs, 8)
+    assert lay.domain == (1, 3, 2)  # not merged (16-byte words: 2 per row)
+    boxes_cover(lay, 4)
+
+
+def test_empty_output_boxes_are_marked():
+    ins = [Box((0, 0), (2, 4)), Box((2, 0), (4, 4))]
+    outs = [Box((0, 0), (4, 4)), Box((0, 0), (0, 4))]
+    lay = cufftmp_layout(ins, outs, 8)
+    assert lay.empty_input_ranks == () and lay.empty_output_ranks == (1,) and lay.has_empty
+    assert lay.output[1][:2] == ((0, 0, 0), (0, 0, 0))
+
+
+def test_unpackable_message_names_the_element_multiple():
+    from dask_pgas.geometry.cufftmp_layout import UnsupportedLayout
+
+    for itemsize, multiple in ((1, 4), (2, 2), (3, 4), (6, 2)):
+        with pytest.raises(UnsupportedLayout, match=f"multiples of {multiple} elements"):
+            cufftmp_layout([Box((0, 0), (2, 5)), Box((2, 0), (4, 5))],
+                           [Box((0, 0), (4, 3)), Box((0, 3), (4, 5))], itemsize)
+
+
+# -- plan modes and execution over fakes ---------------------------------------------------------------------
+class _Two(ControlPlane):
+    rank, size = 0, 2
+
+    def allgather(self, obj):
+        return [obj, obj]
+
+
+def _cufftmp_plan(monkeypatch, eng, ins, outs, itemsize=8):
+    from dask_pgas.engines import nvshmem as eng_mod
+
+    eng.control = _Two()
+    monkeypatch.setattr(eng_mod.NVSHMEMReshapePlan, "_create_cufftmp", lambda self: None)
+    monkeypatch.setattr(eng_mod.NVSHMEMReshapePlan, "_make_cufftmp", lambda self: None)
+    return eng.plan_reshape(ReshapeSpec(tuple(ins), tuple(outs), np.dtype(f"V{itemsize}"), "C", 0))
+
+
+EMPTY_INS = (Box((0, 0), (4, 4)), Box((0, 0), (0, 4)))
+EMPTY_OUTS = (Box((0, 0), (2, 4)), Box((2, 0), (4, 4)))
+
+
+def test_empty_via_peer_routes_empty_boxes_around_cufftmp(monkeypatch):
+    """DASK_PGAS_EMPTY_VIA_PEER=1 (agreed at bring-up): a reshape with an empty box on some rank takes the peer
+    copies; without it, cuFFTMp; without peer access, a clear error that names the empty boxes."""
+    from dask_pgas.errors import UnsupportedOperandError
+
+    eng = _fake_engine(monkeypatch)
+    assert _cufftmp_plan(monkeypatch, eng, EMPTY_INS, EMPTY_OUTS).mode == "cufftmp"
+    eng.settings = dataclasses.replace(eng.settings, empty_via_peer=True)
+    assert _cufftmp_plan(monkeypatch, eng, EMPTY_INS, EMPTY_OUTS).mode == "peer"
+    # boxes without empties are not affected by the setting
+    full = _cufftmp_plan(monkeypatch, eng, (Box((0, 0), (4, 2)), Box((0, 2), (4, 4))), EMPTY_OUTS)
+    assert full.mode == "cufftmp"
+    eng.peers_mapped = False
+    with pytest.raises(UnsupportedOperandError, match="empty on some ranks"):
+        _cufftmp_plan(monkeypatch, eng, EMPTY_INS, EMPTY_OUTS)
+
+
+class _Recorder:
+    def __init__(self, log):
+        self.log = log
+
+    def sync_all_on_stream(self, stream):
+        self.log.append(("sync", stream))
+
+    def execute(self, handle, out, inp, workspace, stream):
+        self.log.append(("execute", handle, out, inp, workspace, stream))
+
+
+def test_cufftmp_exec_is_preceded_by_sync_all_and_gets_out_then_in(monkeypatch):
+    """cufftMpExecReshapeAsync(handle, out, in, workspace, stream) writes into remote outputs: with
+    sync_symmetric_memory, nvshmemx_sync_all_on_stream(stream) comes first on the same stream; without it, no
+    sync. The output pointer goes before the input."""
+    eng = _fake_engine(monkeypatch)
+    plan = _cufftmp_plan(monkeypatch, eng, (Box((0, 0), (4, 2)), Box((0, 2), (4, 4))), EMPTY_OUTS)
+    assert plan.mode == "cufftmp" and plan.layout.word_size == 16
+    log = []
+    eng.nv = types.SimpleNamespace(sync_all_on_stream=_Recorder(log).sync_all_on_stream)
+    plan._cf, plan._handle = _Recorder(log), 77
+    plan._run(0x1000, 0x2000, 5, True, 0)
+    assert log == [("sync", 5), ("execute", 77, 0x2000, 0x1000, 0, 5)]
+    log.clear()
+    plan._run(0x1000, 0x2000, 5, False, 32)  # an aligned offset: still cuFFTMp
+    assert log == [("execute", 77, 0x2000, 0x1000, 0, 5)]
+    plan._handle = 0
+
+
+def test_misaligned_operand_without_peer_access_is_refused(monkeypatch):
+    """An operand at an offset that is not a multiple of the word size cannot go through cuFFTMp; without every
+    peer's heap mapped there is no fallback: UnsupportedOperandError, before any collective."""
+    from dask_pgas.errors import UnsupportedOperandError
+
+    eng = _fake_engine(monkeypatch)
+    eng.peers_mapped = False
+    plan = _cufftmp_plan(monkeypatch, eng, (Box((0, 0), (4, 2)), Box((0, 2), (4, 4))), EMPTY_OUTS)
+    log = []
+    eng.nv = types.SimpleNamespace(sync_all_on_stream=_Recorder(log).sync_all_on_stream)
+    plan._cf = _Recorder(log)
+    with pytest.raises(UnsupportedOperandError, match="8 bytes past a 16-byte boundary"):
+        plan._run(0x1008, 0x2000, 0, True, 8)
+    assert log == []
+
+
+def test_host_copy_mode_with_empty_boxes_of_different_shapes(monkeypatch):
+    """Copy mode also covers ranks whose input and output are both empty, possibly of different shapes: nothing to
+    copy (np.copyto would refuse to broadcast (0, 2) into (0, 5))."""
+    eng = _fake_engine(monkeypatch)
+    eng.control = _Two()
+    ins = (Box((0, 0), (0, 2)), Box((0, 0), (4, 5)))
+    outs = (Box((0, 0), (0, 5)), Box((0, 0), (4, 5)))
+    plan = eng.plan_reshape(ReshapeSpec(ins, outs, np.dtype("f8"), "C", 0))
+    assert plan.mode == "copy"
+    plan.execute(np.zeros((0, 2)), np.zeros((0, 5)))
+
+
+def test_staging_buffers_have_the_size_of_the_largest_piece_on_any_rank(monkeypatch):
+    """nvshmem_malloc is collective and needs the same size on every PE: the staging buffers of host operands are
+    sized by the largest box over all ranks, not by this rank's own pieces."""
+    eng = _fake_engine(monkeypatch)
+    ins = (Box((0, 0), (4, 1)), Box((0, 1), (4, 4)))
+    outs = (Box((0, 0), (1, 4)), Box((1, 0), (4, 4)))
+    plan = _cufftmp_plan(monkeypatch, eng, ins, outs, itemsize=4)  # rank 0: 16-byte pieces, rank 1: 48
+    plan._staging()
+    assert [c for c in eng.nv.calls if c[0] == "malloc"] == [("malloc", 48), ("malloc", 48)]
+    plan.free()
+
+
+# -- the symmetric pool and the heap limit -------------------------------------------------------------------
+def test_heap_limit_admits_an_allocation_that_reaches_it_exactly(monkeypatch):
+    monkeypatch.setenv("NVSHMEM_MAX_MEMORY_PER_GPU", "1m")
+    monkeypatch.setenv("NVSHMEM_CUMEM_GRANULARITY", "128k")
+    eng = _fake_engine(monkeypatch, pool_bytes=0)
+    limit = eng.settings.heap_limit
+    a = eng.allocate(limit - 1000)
+    b = eng.allocate(1000)  # exactly at the limit: allowed
+    with pytest.raises(MemoryError):
+        eng.allocate(1)
+    eng.free(a)
+    eng.free(b)
+
+
+def test_pool_keeps_blocks_up_to_its_limit_inclusive_and_counts_reuse(monkeypatch):
+    eng = _fake_engine(monkeypatch, pool_bytes=1000)
+    a = eng.allocate(1000)
+    eng.free(a)  # exactly the pool limit: kept
+    assert eng.heap_info()["heap_bytes_cached"] == 1000 and not [c for c in eng.nv.calls if c[0] == "free"]
+    b = eng.allocate(1000)  # reused: no longer counted as cached
+    assert b.ptr == a.ptr and eng.heap_info()["heap_bytes_cached"] == 0
+    assert eng._held() == 1000
+    eng.free(b)
+    assert eng.heap_info()["heap_bytes_cached"] == 1000
+    eng._drain_pool()
+
+
+def test_pool_limit_defaults_to_a_quarter_of_the_heap():
+    from dask_pgas.engines.nvshmem import NVSHMEMSettings
+
+    assert NVSHMEMSettings.from_env({}).pool_limit == 1 << 28
+    assert NVSHMEMSettings.from_env({"NVSHMEM_SYMMETRIC_SIZE": "4g"}).pool_limit == 1 << 30
+    no_pool = {"NVSHMEM_SYMMETRIC_SIZE": "4g", "DASK_PGAS_NVSHMEM_POOL_BYTES": "0"}
+    assert NVSHMEMSettings.from_env(no_pool).pool_limit == 0
+
+
+@pytest.mark.parametrize("value", ["1", "true", "TRUE", "yes", "y", "on", " 1 "])
+def test_fixed_heap_spellings(value):
+    from dask_pgas.engines.nvshmem import NVSHMEMSettings
+
+    s = NVSHMEMSettings.from_env({"NVSHMEM_DISABLE_CUDA_VMM": value, "NVSHMEM_SYMMETRIC_SIZE": "2g"})
+    assert not s.heap_grows and s.heap_limit == 2 << 30
+
+
+def test_devices_are_told_apart_by_host_and_bus(monkeypatch):
+    """Two PEs on different hosts whose GPUs have the same PCI bus id do not share a GPU: each needs room for its
+    own block only."""
+    import socket
+
+    monkeypatch.setenv("NVSHMEM_CUMEM_GRANULARITY", "128k")
+    eng = _fake_engine(monkeypatch, pool_bytes=0)
+    need = 1000 + (128 << 10)
+    mine = (socket.gethostname(), "0000:01:00.0", need, None)
+    other = ("another-host", "0000:01:00.0", need, None)
+    eng.control = type("C", (ControlPlane,), {"rank": 0, "size": 2, "allgather": lambda self, o: [mine, other]})()
+    eng.free(eng.allocate(1000))  # on one GPU together they would need 2 * need
+
+
+# -- agreements at bring-up ----------------------------------------------------------------------------------
+HEAP_ENVS = [
+    {"NVSHMEM_MAX_MEMORY_PER_GPU": "1m", "NVSHMEM_CUMEM_GRANULARITY": "128k", "NVSHMEM_SYMMETRIC_SIZE": "2m",
+     "DASK_PGAS_NVSHMEM_POOL_BYTES": "4k", "DASK_PGAS_NVSHMEM_RESHAPE": "peer", "DASK_PGAS_EMPTY_VIA_PEER": "1"},
+    {"NVSHMEM_DISABLE_CUDA_VMM": "1", "NVSHMEM_SYMMETRIC_SIZE": "3m", "NVSHMEM_CUMEM_GRANULARITY": "2m"},
+]
+
+
+@pytest.mark.parametrize("env", HEAP_ENVS)
+def test_agreed_settings_read_every_variable(env):
+    """The engine takes its settings from NVSHMEMSettings.agreed (not from_env): it must see every variable."""
+    from dask_pgas.engines.nvshmem import NVSHMEMSettings
+    from tests.gpu.test_gpu_planning_cpu import _FakeControl
+
+    assert NVSHMEMSettings.agreed(_FakeControl(), env) == NVSHMEMSettings.from_env(env)
+
+
+@pytest.mark.parametrize("name,mine,theirs", [("NVSHMEM_MAX_MEMORY_PER_GPU", "1g", "2g"),
+                                              ("NVSHMEM_CUMEM_GRANULARITY", "512m", "2m"),
+                                              ("NVSHMEM_DISABLE_CUDA_VMM", "1", None)])
+def test_heap_variables_must_match_on_every_rank(name, mine, theirs):
+    from dask_pgas.engines.nvshmem import NVSHMEMSettings
+    from dask_pgas.errors import BackendUnavailableError
+
+    class Ctl(ControlPlane):
+        rank, size = 0, 2
+
+        def allgather(self, obj):
+            raw, _, err = obj
+            other = {**raw, name: theirs}
+            return [obj, (other, NVSHMEMSettings.from_env(other), err)]
+
+    with pytest.raises(BackendUnavailableError, match=f"rank 0: [^;]*{name}='{mine}'.*rank 1: [^;]*{name}="):
+        NVSHMEMSettings.agreed(Ctl(), {name: mine})
+
+
+def test_peer_access_is_agreed_by_every_pe(monkeypatch):
+    """peers_mapped decides the peer fallback (a collective path): a PE that reaches its peers must still say no
+    when another PE does not."""
+    from dask_pgas.engines.nvshmem import NVSHMEMEngine
+    from tests.gpu.test_gpu_planning_cpu import _FakeDrv, _FakeNV
+
+    class NV(_FakeNV):
+        def n_pes(self):
+            return 2
+
+    class Ctl(ControlPlane):
+        rank, size = 0, 2
+
+        def allgather(self, obj):
+            return [obj, False] if isinstance(obj, bool) else [obj, obj]
+
+    eng = NVSHMEMEngine(NV(), _FakeDrv(), 0, Ctl(), 2, expected=(0, 2))
+    assert eng.peers_mapped is False
+
+
+# -- streams ---------------------------------------------------------------------------------------------------
+def _fake_packages(monkeypatch):
+    import sys
+
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        get_current_stream=lambda: types.SimpleNamespace(ptr=4242)))
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        current_stream=lambda: types.SimpleNamespace(cuda_stream=99)))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+
+
+def test_default_stream_is_the_packages_current_stream(monkeypatch):
+    from dask_pgas.engines.nvshmem import stream_handle
+
+    _fake_packages(monkeypatch)
+    assert stream_handle(None, "cupy") == 4242 and stream_handle(None, "torch") == 99
+    assert stream_handle(None) == 0 and stream_handle(None, "numpy") == 0
+
+
+def test_execute_and_synchronize_use_the_resolved_stream(monkeypatch):
+    """execute(stream=None) on a CuPy operand runs on CuPy's current stream; synchronize() then waits for that
+    stream (the last one used), not the default stream."""
+    _fake_packages(monkeypatch)
+    eng = _fake_engine(monkeypatch)
+    plan = _cufftmp_plan(monkeypatch, eng, (Box((0, 0), (4, 2)), Box((0, 2), (4, 4))), EMPTY_OUTS)
+    log = []
+    eng.nv = types.SimpleNamespace(sync_all_on_stream=_Recorder(log).sync_all_on_stream)
+    plan._cf, plan._handle = _Recorder(log), 77
+    Arr = type("ndarray", (), {"__module__": "cupy._core.core"})
+    src, dst = Arr(), Arr()
+    src.data, dst.data = types.SimpleNamespace(ptr=0x1000), types.SimpleNamespace(ptr=0x2000)
+    plan.execute(src, dst)
+    assert log == [("sync", 4242), ("execute", 77, 0x2000, 0x1000, 0, 4242)]
+    synced = []
+    eng.drv.stream_synchronize = synced.append
+    plan.synchronize()
+    plan.synchronize(7)
+    assert synced == [4242, 7]
+    plan._handle = 0
+
+
+# -- unique-id bootstrap and the environment NVSHMEM starts with ---------------------------------------------
+class _FakeLib:
+    def __init__(self):
+        self.calls, self.flags, self.attr = [], None, None
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append(name)
+            if name == "nvshmemx_hostlib_init_attr":
+                self.flags = args[0]
+            return 2 if name == "nvshmemx_init_status" else 0
+        return call
+
+
+def _bound_nvshmem():
+    import threading
+
+    from dask_pgas.bindings import nvshmem
+
+    nv = nvshmem.NVSHMEM.__new__(nvshmem.NVSHMEM)
+    nv.lock, nv.lib = threading.RLock(), _FakeLib()
+    return nv
+
+
+@pytest.mark.parametrize("size", [0, 127, 129, 256])
+def test_uniqueid_of_the_wrong_size_is_refused_before_nvshmem(size):
+    nv = _bound_nvshmem()
+    with pytest.raises(ValueError, match="128 bytes"):
+        nv.init_with_uniqueid(bytes(size), 0, 1)
+    assert nv.lib.calls == []
+
+
+def test_uniqueid_init_attr_versions_and_flags():
+    """What nvshmemx_hostlib_init_attr gets: the V1 struct versions (valid for NVSHMEM 3.4 and 3.8, see
+    docs/notes) and NVSHMEMX_INIT_WITH_UNIQUEID (8), after set_attr_uniqueid_args."""
+    import ctypes
+    import struct
+
+    nv = _bound_nvshmem()
+    assert nv.init_with_uniqueid(bytes(range(128)), 1, 2) == 2
+    assert nv.lib.calls == ["nvshmemx_set_attr_uniqueid_args", "nvshmemx_hostlib_init_attr", "nvshmemx_init_status"]
+    assert nv.lib.flags == 8
+    raw = ctypes.string_at(ctypes.addressof(nv._attr), 144)
+    assert struct.unpack_from("<i", raw, 0)[0] == 0x10090
+    assert struct.unpack_from("<i", raw, 16)[0] == 0x10080
+    assert struct.unpack_from("<i", raw, 24)[0] == 0x10018
+    assert bytes(nv._uid) == bytes(range(128))
+
+
+@pytest.mark.parametrize("single_node", [True, None])
+def test_initialize_from_uniqueid_sets_the_environment_before_nvshmem(monkeypatch, single_node):
+    import os
+
+    from dask_pgas.engines import nvshmem as eng_mod
+
+    monkeypatch.setattr(os, "environ", {"DASK_PGAS_HEAP_SIZE": "2g"})
+    seen = {}
+
+    def bring_up(uid, rank, nranks, device, control):
+        seen.update(os.environ)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(eng_mod.NVSHMEMEngine, "_bring_up", staticmethod(bring_up))
+    with pytest.raises(RuntimeError, match="stop here"):
+        eng_mod.initialize_from_uniqueid(bytes(128), 0, 1, 0, single_node=single_node)
+    assert seen["NVSHMEM_DISABLE_NVLS"] == "1" and seen["NVSHMEM_DISABLE_NCCL"] == "1"
+    assert seen["NVSHMEM_SYMMETRIC_SIZE"] == "2g"
+    assert (seen.get("NVSHMEM_REMOTE_TRANSPORT"), seen.get("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME")) == (
+        ("none", "lo") if single_node else (None, None))
+
+
+def test_env_defaults_keep_the_users_heap_and_nccl_settings():
+    from dask_pgas.engines.nvshmem import apply_env_defaults
+
+    env = {"DASK_PGAS_HEAP_SIZE": "4g", "NVSHMEM_SYMMETRIC_SIZE": "8g", "NVSHMEM_DISABLE_NCCL": "0",
+           "NVSHMEM_DISABLE_NVLS": " 0 "}
+    assert apply_env_defaults(False, env) == {}
+    assert env["NVSHMEM_SYMMETRIC_SIZE"] == "8g" and env["NVSHMEM_DISABLE_NCCL"] == "0"
+    assert env["NVSHMEM_DISABLE_NVLS"] == " 0 "
+    env = {}
+    assert apply_env_defaults(False, env) == {"NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_DISABLE_NCCL": "1"}
