@@ -466,10 +466,18 @@ class NVSHMEMEngine(Engine):
                     error = not_initialized(status)
             except Exception as exc:  # reported to every PE, never raised alone
                 error = f"{type(exc).__name__}: {exc}"
-            if bad := control.agree(error):
-                if returned:  # the PEs where NVSHMEM came up, even partly, take it down together
+            outcomes = control.allgather((error, returned))
+            if bad := [(r, e) for r, (e, _) in enumerate(outcomes) if e]:
+                if all(came for _, came in outcomes):  # NVSHMEM came up, even partly, everywhere: down together
                     nv.finalize()
-                _raise_unavailable(bad)
+                    _raise_unavailable(bad)
+                # where init raised, NVSHMEM's state is unknown: a collective finalize could wait for it forever
+                left = [r for r, (_, came) in enumerate(outcomes) if came]
+                raise BackendUnavailableError(
+                    f"the nvshmem engine cannot start on rank {bad[0][0]}: {bad[0][1]}. NVSHMEM's init raised "
+                    f"there, so it cannot be finalized collectively and stays as it is on ranks {left}: restart "
+                    "these processes before initializing the nvshmem backend again"
+                )
         try:
             return cls(nv, drv, device, control, status, expected=(rank, nranks))
         except BaseException:

@@ -21,6 +21,7 @@ EXPECTED = {
     "bring-up: NVSHMEM numbers one rank wrongly": "BackendUnavailableError",
     "bring-up: making the device current fails on one rank": "BackendUnavailableError",
     "bring-up: NVSHMEM does not initialize on one rank": "BackendUnavailableError",
+    "bring-up: NVSHMEM's init raises on one rank": "BackendUnavailableError",
     "bring-up: a device given on one rank only": "none",
     "settings: the same values spelled differently": "none",
     "settings: DASK_PGAS_NVSHMEM_RESHAPE read once at bring-up": "none",
@@ -100,6 +101,9 @@ def test_gpu_engine_agrees_before_collectives(nranks):
         "device memory: one rank's GPU is short": ("malloc",),
         "device memory: PEs sharing a GPU need room for all of them": ("malloc",),
     }
+    raised = outcomes["bring-up: NVSHMEM's init raises on one rank"]["message"]
+    assert f"on rank {nranks - 1}: RuntimeError: injected" in raised and "restart these processes" in raised, raised
+    never["bring-up: NVSHMEM's init raises on one rank"] = ("finalize",)  # (collective: the raising rank is gone)
     for name, forbidden in never.items():
         assert not [c for c in calls[name] for f in forbidden if c.get(f)], (name, calls[name])
     aligned = calls["execute: an aligned operand runs cuFFTMp on every rank"]

@@ -32,6 +32,7 @@ from dask_pgas.runtime import get_engine
 assert SIZE >= 2, "nvshmem_agreement needs at least 2 ranks"
 LIB = COMM.Dup()  # the fake libraries' own collectives: never the engine's control plane
 LAST = SIZE - 1  # the rank that fails
+LEFT_INITIALIZED = 0  # inits that no rank may finalize (see bring_up_raising_on_last)
 
 
 class FakeNV:
@@ -43,9 +44,13 @@ class FakeNV:
 
     status = 2  # what nvshmemx_init_status() reports on this rank after init
 
+    raises = False  # NVSHMEM's init raises on this rank after its collective part
+
     def init_with_uniqueid(self, uid, rank, nranks):
         self.calls["init"] += 1
         LIB.Barrier()
+        if self.raises:
+            raise RuntimeError("injected: init raised after joining")
         return self.status
 
     def finalize(self):
@@ -216,7 +221,7 @@ def bring_up_with(**env):
         for name in env:
             os.environ.pop(name, None)
         assert not dask_pgas.is_initialized(), "a failed bring-up left an engine installed"
-        assert NV.calls["init"] == NV.calls["finalize"], f"NVSHMEM left initialized: {NV.calls}"
+        assert NV.calls["init"] == NV.calls["finalize"] + LEFT_INITIALIZED, f"NVSHMEM left initialized: {NV.calls}"
         assert not NV.live, f"symmetric memory left allocated: {len(NV.live)} block(s)"
 
 
@@ -253,6 +258,23 @@ def bring_up_failing_on_last(obj, attr, value):
 
 case("bring-up: making the device current fails on one rank", lambda: bring_up_failing_on_last(DRV, "fail", "device"))
 case("bring-up: NVSHMEM does not initialize on one rank", lambda: bring_up_failing_on_last(NV, "status", 1))
+
+
+def bring_up_raising_on_last():
+    """NVSHMEM's init raised on the last rank after its collective part: the PEs where it came up took it down
+    with a collective finalize that waited forever for that rank. No rank finalizes; every rank raises."""
+    global LEFT_INITIALIZED
+    if RANK == LAST:
+        NV.raises = True
+    LEFT_INITIALIZED += 1
+    try:
+        initialize()
+    finally:
+        NV.__dict__.pop("raises", None)
+        assert not dask_pgas.is_initialized(), "a failed bring-up left an engine installed"
+
+
+case("bring-up: NVSHMEM's init raises on one rank", bring_up_raising_on_last)
 
 
 def bring_up_with_device_on_last():
@@ -680,5 +702,6 @@ case("plugin: no leak after the failed copy", no_leak)
 
 dask_pgas.finalize()
 assert not NV.live, f"symmetric memory leaked: {len(NV.live)} block(s)"
-assert NV.calls["init"] == NV.calls["finalize"], NV.calls
+# every init was finalized, but the one that raised on a rank: that one is left, on every rank, by design
+assert NV.calls["init"] == NV.calls["finalize"] + LEFT_INITIALIZED, NV.calls
 report_ok()
