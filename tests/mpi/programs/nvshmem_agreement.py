@@ -70,7 +70,9 @@ class FakeNV:
 
     def malloc(self, nbytes):
         self.calls["malloc"] += 1
-        LIB.Barrier()
+        sizes = LIB.allgather(nbytes)  # NVSHMEM requires the same size on every PE (else undefined behaviour)
+        if len(set(sizes)) > 1:
+            raise AssertionError(f"nvshmem_malloc called with different sizes by rank: {sizes}")
         if self.full or (self.max_block is not None and nbytes > self.max_block):
             raise MemoryError(f"nvshmem_malloc({nbytes}) failed: the symmetric heap is full (fake)")
         buf = np.zeros(max(nbytes, 1), np.uint8)
