@@ -1,5 +1,5 @@
-"""Rechunk benchmark: ``method="pgas"`` beside Dask ``tasks`` and ``p2p`` on one cluster, and a bare
-``MPI.Alltoallw`` of the same bytes, all in the same run (scenarios of docs' performance anchors).
+"""Rechunk benchmark: ``method="pgas"`` beside Dask ``tasks`` and ``p2p`` on one cluster, and bare exchanges of
+the same bytes on the same workers, all in the same run (scenarios of docs' performance anchors).
 
     python benchmarks/bench_rechunk.py                       # S1 (8192^2 float64), S3, S4 with 4 CPU workers
     python benchmarks/bench_rechunk.py --scenarios S1 --n 4096 --repeats 3
@@ -9,58 +9,91 @@ Times are end to end: ``y = x.rechunk(chunks, method=m).persist(); wait(y)`` inc
 on a persisted input, median of ``--repeats`` after one warm-up. GB/s = array bytes / time. S1 and S3 also
 measure, in every round, a floor no rechunk on these workers can beat (one copy pass over the bytes plus Dask's
 round trip for a trivial graph), and so the most any rechunk could show against the best peer in that round.
+S1 also times, in every round and in the workers' own processes, its exchange done bare without Dask: one
+``MPI.Alltoallw`` with subarray types, and the MPI engine's own exchange (packing and the local piece as a pgas
+run does them); "pgas / faster bare" is pgas's end-to-end forward time against the faster of the two. Every
+method's result is checked both ways on the last round (S4 above N = 8192: unchecked, said in the table).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
-import subprocess
-import sys
 
 
-# ------------------------------------------------------------------------------------------- bare Alltoallw
-def alltoallw_main(n: int, repeats: int) -> None:
-    """Run under mpiexec: column slab -> row slab of an n x n float64 with one Alltoallw (subarray types)."""
+# ------------------------------------------------------------------------------------------- bare exchanges
+def _bare_exchanges(n: int, repeats: int) -> dict[str, list[float]]:
+    """On a worker's collective thread (every worker at once): S1's exchange, column slab -> row slab of an
+    n x n float64 on the PGAS world's communicator, done bare, without Dask, two ways:
+
+    - ``alltoallw``: one ``MPI.Alltoallw`` with subarray types on both sides, this rank's own piece included;
+    - ``engine``: the MPI engine's own plan (what a pgas run calls): contiguous runs as they are, strided pieces
+      packed first where the MPI is slow with them, this rank's piece copied outside the ``Alltoallw``.
+
+    Seconds of each repeat (barrier to barrier) after one warm-up; the two results are checked equal."""
+    import time
+
     import numpy as np
     from mpi4py import MPI
 
-    comm = MPI.COMM_WORLD
+    from dask_pgas import runtime
+    from dask_pgas.distribution import Box
+    from dask_pgas.engines.base import ReshapeSpec
+
+    engine = runtime.get_engine("mpi")
+    comm = engine.data_comm
     p, r = comm.size, comm.rank
     bounds = [n * i // p for i in range(p + 1)]
     width = bounds[r + 1] - bounds[r]
     src = np.random.default_rng(r).random((n, width))
-    dst = np.empty((width, n))
+    out = {"alltoallw": np.zeros((width, n)), "engine": np.zeros((width, n))}
     stypes, rtypes = [], []
     for j in range(p):
         hj = bounds[j + 1] - bounds[j]
         stypes.append(MPI.DOUBLE.Create_subarray([n, width], [hj, width], [bounds[j], 0]).Commit())
         rtypes.append(MPI.DOUBLE.Create_subarray([width, n], [width, hj], [0, bounds[j]]).Commit())
     ones, zeros = [1] * p, [0] * p
-    times = []
-    for i in range(repeats + 1):
-        comm.Barrier()
-        t0 = MPI.Wtime()
-        comm.Alltoallw([src, (ones, zeros), stypes], [dst, (ones, zeros), rtypes])
-        comm.Barrier()
-        if i:
-            times.append(MPI.Wtime() - t0)
-    for t in stypes + rtypes:
-        t.Free()
-    if r == 0:
-        print(json.dumps({"seconds": statistics.median(times)}))
+    spec = ReshapeSpec(tuple(Box((0, bounds[j]), (n, bounds[j + 1])) for j in range(p)),
+                       tuple(Box((bounds[j], 0), (bounds[j + 1], n)) for j in range(p)), np.dtype("f8"), "C", r)
+    plan = engine.plan_reshape(spec)
+    calls = {
+        "alltoallw": lambda: comm.Alltoallw([src, (ones, zeros), stypes], [out["alltoallw"], (ones, zeros), rtypes]),
+        "engine": lambda: plan.execute(src, out["engine"]),
+    }
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    try:
+        for i in range(repeats + 1):
+            for how, call in calls.items():
+                comm.Barrier()
+                t0 = time.perf_counter()
+                call()
+                comm.Barrier()
+                if i:
+                    times[how].append(time.perf_counter() - t0)
+    finally:
+        plan.free()
+        for t in stypes + rtypes:
+            t.Free()
+    if not np.array_equal(out["alltoallw"], out["engine"]):
+        raise AssertionError("the bare Alltoallw and the engine's exchange disagree")
+    return times
 
 
-def bare_alltoallw(n: int, workers: int, repeats: int) -> float:
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    out = subprocess.run(
-        [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(workers), sys.executable, __file__,
-         "--alltoallw", str(n), "--repeats", str(repeats)],
-        capture_output=True, text=True, timeout=600, check=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
+def _on_collective_thread(fn, *args, dask_worker=None):
+    """(client.run) ``fn(*args)`` on the worker's PGAS collective thread, where its MPI calls belong."""
+    from dask_pgas.integration._worker_plugin import get_plugin
+
+    return get_plugin(dask_worker)._thread.submit(fn, *args).result(timeout=600)
+
+
+def bare_exchange_seconds(client, n: int, repeats: int) -> dict[str, float]:
+    """:func:`_bare_exchanges` on every worker at once: per way, the median over repeats of the slowest worker."""
+    per_worker = list(client.run(_on_collective_thread, _bare_exchanges, n, repeats).values())
+    return {how: statistics.median(max(w[how][i] for w in per_worker) for i in range(repeats))
+            for how in per_worker[0]}
 
 
 # ------------------------------------------------------------------------------------------- Dask methods
@@ -116,10 +149,11 @@ def floor_seconds(client, x, repeats: int) -> dict:
 
 
 def scenario(client, name: str, shape, chunks_in, chunks_out, methods, repeats, check=True, rounds=1,
-             floor=False) -> dict:
+             floor=False, bare=False) -> dict:
     """Forward and back times of every method. With ``rounds`` > 1 the methods take turns (pgas, tasks, p2p,
     pgas, ...) so a box that slows down or speeds up mid-run weighs on all of them alike; each figure is then
-    the median of the rounds' medians. With ``floor``, each round also measures :func:`floor_seconds`."""
+    the median of the rounds' medians. With ``floor``, each round also measures :func:`floor_seconds`; with
+    ``bare`` (S1's slabs), each round also times the exchange bare on the workers (:func:`bare_exchange_seconds`)."""
     import dask.array as da
     import numpy as np
     from distributed import wait
@@ -130,10 +164,12 @@ def scenario(client, name: str, shape, chunks_in, chunks_out, methods, repeats, 
     row = {"scenario": name, "shape": list(shape), "bytes": nbytes,
            "chunks_in": [len(c) for c in x.chunks], "chunks_out": None}
     times: dict = {m: ([], []) for m in methods}
-    floors = []
+    floors, bares = [], []
     for i in range(rounds):
         if floor:
             floors.append(floor_seconds(client, x, repeats))
+        if bare:
+            bares.append(bare_exchange_seconds(client, shape[0], repeats))
         for method in methods:
             if f"{method}_error" in row:
                 continue
@@ -141,8 +177,9 @@ def scenario(client, name: str, shape, chunks_in, chunks_out, methods, repeats, 
                 fwd, y = time_method(client, x, chunks_out, method, repeats)
                 row["chunks_out"] = [len(c) for c in y.chunks]
                 back, z = time_method(client, y, chunks_in, method, repeats)
-                if check and i == rounds - 1:
-                    row[f"{method}_ok"] = bool(da.all(z == x).compute())
+                if check and i == rounds - 1:  # both directions: a wrong forward result undone by the back one
+                    row[f"{method}_ok"] = bool(da.all(z == x).compute()) and bool(
+                        da.all(y == x.rechunk(chunks_out, method="tasks")).compute())
                 times[method][0].append(fwd)
                 times[method][1].append(back)
                 del y, z
@@ -159,6 +196,11 @@ def scenario(client, name: str, shape, chunks_in, chunks_out, methods, repeats, 
             min(p[i] for p in peers) / (f["copy"] + f["round_trip"]) for i, f in enumerate(floors)
             if all(len(p) > i for p in peers)
         ]
+    if bares and "pgas" in times and "pgas_error" not in row:
+        # each round's pgas forward against that round's faster bare exchange (the same bytes, same layout)
+        row["pgas_over_bare_by_round"] = [min(b.values()) / t for t, b in zip(times["pgas"][0], bares)]
+    for how in ("alltoallw", "engine") if bares else ():
+        row[f"{how}_GBps"] = nbytes / statistics.median(b[how] for b in bares) / 1e9
     if floors:
         row["floor_copy_s"] = statistics.median(f["copy"] for f in floors)
         row["floor_round_trip_s"] = statistics.median(f["round_trip"] for f in floors)
@@ -183,9 +225,17 @@ def _s3_size(text: str) -> int:
     return n
 
 
+def _truncated(v: float, digits: int = 1) -> float:
+    """``v`` cut (not rounded) to ``digits`` decimals: 4.996 shows as 4.9, as it counts (below 5)."""
+    return math.floor(v * 10**digits) / 10**digits
+
+
+def _x(v: float) -> str:
+    return f"{_truncated(v):.1f}x"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    ap.add_argument("--alltoallw", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--n", type=int, default=8192, help="S1 size (N x N float64)")
     ap.add_argument("--s3-n", type=_s3_size, default=10007,
@@ -201,9 +251,6 @@ def main() -> None:
                     "tasks and p2p methods by 15-30%% on 2 cores and pgas by nothing measurable)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args()
-    if args.alltoallw is not None:
-        alltoallw_main(args.alltoallw, args.repeats)
-        return
 
     from distributed import Client
 
@@ -224,12 +271,12 @@ def main() -> None:
                 else:  # bytes per worker
                     per = {"S1-1MiB": 2**20, "S1-16MiB": 2**24}[name]
                     n = int((per * p / 8) ** 0.5) // p * p
+                if n % p:
+                    raise SystemExit(f"{name}: N={n} is not a multiple of the {p} workers (the slabs would be "
+                                     f"{p + 1}, and the bare exchange's {p})")
                 b = n // p
                 row = scenario(client, name, (n, n), (n, b), (b, n), methods, args.repeats, rounds=args.rounds,
-                               floor=True)
-                if "pgas" in methods:
-                    t = bare_alltoallw(n, p, args.repeats)
-                    row["alltoallw_GBps"] = n * n * 8 / t / 1e9
+                               floor=True, bare=True)
             elif name == "S3":
                 n = args.s3_n  # prime; chunk sizes that do not divide it
                 row = scenario(client, name, (n, n), (n, 2503), (1667, n), methods, args.repeats,
@@ -244,38 +291,39 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     print()
     print("| scenario | shape | pgas fwd / back GB/s | tasks fwd / back | p2p fwd / back | pgas / best peer | "
-          "Alltoallw GB/s | pgas / Alltoallw | Alltoallw / best peer |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "bare Alltoallw / engine exchange GB/s | pgas / faster bare | faster bare / best peer | results |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         def fb(m, r=r):
             if f"{m}_fwd_GBps" not in r:
                 return r.get(f"{m}_error", "-")[:40]
             return f"{r[f'{m}_fwd_GBps']:.2f} / {r[f'{m}_back_GBps']:.2f}"
-        peers = [r[f"{m}_{d}_GBps"] for m in ("tasks", "p2p") for d in ("fwd",) if f"{m}_fwd_GBps" in r]
-        ratio = f"{r['pgas_fwd_GBps'] / max(peers):.1f}x" if peers and "pgas_fwd_GBps" in r else "-"
-        a2a = r.get("alltoallw_GBps")
-        pct = f"{100 * r['pgas_fwd_GBps'] / a2a:.0f}%" if a2a and "pgas_fwd_GBps" in r else "-"
+        peers = [r[f"{m}_fwd_GBps"] for m in ("tasks", "p2p") if f"{m}_fwd_GBps" in r]
+        ratio = f"{_x(r['pgas_fwd_GBps'] / max(peers))} fwd" if peers and "pgas_fwd_GBps" in r else "-"
+        bare = max(r.get("alltoallw_GBps", 0), r.get("engine_GBps", 0))
+        pct = f"{100 * r['pgas_fwd_GBps'] / bare:.0f}% fwd" if bare and "pgas_fwd_GBps" in r else "-"
         # the most any rechunk that moves the bytes through MPI could show against Dask in this run
-        ceiling = f"{a2a / max(peers):.1f}x" if a2a and peers else "-"
+        ceiling = _x(bare / max(peers)) if bare and peers else "-"
+        bares = f"{r['alltoallw_GBps']:.2f} / {r['engine_GBps']:.2f}" if bare else "-"
+        checked = ", ".join(f"{m} {'OK' if r[f'{m}_ok'] else 'WRONG'}" if f"{m}_ok" in r else f"{m} unchecked"
+                            for m in ("pgas", "tasks", "p2p") if f"{m}_fwd_GBps" in r)
         print(f"| {r['scenario']} | {'x'.join(map(str, r['shape']))} | {fb('pgas')} | {fb('tasks')} | {fb('p2p')} | "
-              f"{ratio} | {f'{a2a:.2f}' if a2a else '-'} | "
-              f"{pct} | {ceiling} |")
+              f"{ratio} | {bares} | {pct} | {ceiling} | {checked} |")
     for r in rows:
         if "floor_copy_s" in r:
             pgas = f"; pgas forward {1e3 * r['pgas_fwd_s']:.0f} ms" if "pgas_fwd_s" in r else ""
             print(f"{r['scenario']}: floor {1e3 * (r['floor_copy_s'] + r['floor_round_trip_s']):.0f} ms = one copy "
                   f"pass {1e3 * r['floor_copy_s']:.0f} ms (every worker its share at once) + Dask round trip "
                   f"{1e3 * r['floor_round_trip_s']:.0f} ms{pgas}")
-        by_round = r.get("pgas_over_best_peer_by_round", [])
-        bounds = r.get("best_peer_over_floor_by_round", [])
-        if by_round:
-            print(f"{r['scenario']}: pgas / best peer by round (forward): "
-                  f"{' '.join(f'{v:.1f}x' for v in by_round)}; at least 5x in {sum(v >= 5 for v in by_round)} "
-                  f"of {len(by_round)}")
-        if bounds:
-            print(f"{r['scenario']}: the most any rechunk could reach (best peer / floor) by round: "
-                  f"{' '.join(f'{v:.1f}x' for v in bounds)}; at least 5x in {sum(v >= 5 for v in bounds)} "
-                  f"of {len(bounds)}")
+        for key, what, least in (
+            ("pgas_over_best_peer_by_round", "pgas / best peer by round (forward)", 5),
+            ("pgas_over_bare_by_round", "pgas / the round's faster bare exchange (forward)", 0.5),
+            ("best_peer_over_floor_by_round", "the most any rechunk could reach (best peer / floor) by round", 5),
+        ):
+            if values := r.get(key):
+                shown = " ".join(_x(v) if least > 1 else f"{_truncated(100 * v, 0):.0f}%" for v in values)
+                print(f"{r['scenario']}: {what}: {shown}; at least {_x(least) if least > 1 else f'{least:.0%}'} in "
+                      f"{sum(v >= least for v in values)} of {len(values)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -16,7 +16,9 @@ and persisted, rechunked to row slabs and back; each time is ``rechunk(...).pers
 * ``dask-floor``: ``x.map_blocks(identity)`` persisted on the same chunks with its tasks restricted to the
   workers like pgas's pinned tasks (Dask's fixed cost, no data moved); ``dask-floor-queued``: the same without
   the restriction (Dask then queues them, two per worker thread at a time);
-* ``copy``: one ``cupy`` device-to-device copy of each worker's share (CUDA events, median of 5).
+* ``copy``: a ``cupy`` device-to-device copy of the bytes of every worker on a GPU, done by one of them (CUDA
+  events, median of 5; workers sharing a GPU share its bandwidth); the slowest GPU's. Bytes are counted once
+  (a copy reads and writes each: about half the GPU's memory bandwidth).
 
 At most two arrays of the size are alive at once (the input is regenerated for the check), so on one
 139 GiB H200 sizes up to about 60 GiB fit.
@@ -63,7 +65,7 @@ def one_size(client, nbytes: int, workers: int, args) -> dict:
     import dask.array as da
     from distributed import wait
 
-    from dask_pgas.cli import device_copy_seconds, timed_persist, wait_forgotten
+    from dask_pgas.cli import device_copy_reference, timed_persist, wait_forgotten
 
     parts = max(workers, 4)
     n = max(int((nbytes / 8) ** 0.5) // parts * parts, parts)
@@ -71,7 +73,7 @@ def one_size(client, nbytes: int, workers: int, args) -> dict:
     size = n * n * 8
     row: dict = {"workers": workers, "n": n, "bytes": size}
     # the reference first, while the GPU is empty (its two buffers are freed before the array is made)
-    row["copy_s"] = max(client.run(device_copy_seconds, size // workers).values())
+    row["copy_s"] = device_copy_reference(client, size // workers)
     meta = cupy.empty((0, 0), dtype=cupy.float64)
 
     def make_x():

@@ -1,7 +1,9 @@
 """S1 on CPU ranks: N x N float64, column slabs -> row slabs, through ``Reshape.execute()``.
 
 Beside it, in the same run and on the same bytes:
-  * a bare ``MPI.Alltoallw`` with hand-built subarray datatypes (what the engine wraps),
+  * a bare ``MPI.Alltoallw`` with hand-built subarray datatypes on both sides, this rank's piece included (the
+    engine's own call differs: contiguous runs go as they are, strided pieces are packed first where the MPI is
+    slow with them, and this rank's piece is copied outside the ``Alltoallw``; on MPICH it is the faster one),
   * a bare ``MPI.Alltoall`` of pre-packed contiguous blocks,
   * a NumPy copy of the local slab (memcpy speed).
 

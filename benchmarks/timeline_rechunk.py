@@ -31,9 +31,11 @@ def main() -> None:
 
     import dask.array as da
     from bench_rechunk import trivial_graph  # (this folder is on the path when run as a script)
+    from dask.core import flatten
     from distributed import Client, wait
 
     import dask_pgas
+    from dask_pgas.cli import wait_forgotten
 
     n, p = args.n, args.workers
     b = -(-n // p)
@@ -66,12 +68,16 @@ def main() -> None:
             timings = [i["last_timings"] for i in infos]
             starts = [t["ended_at"] - t["execute"] for t in timings]
             ends = [t["ended_at"] for t in timings]
-            del y
+            keys = list(flatten(y.__dask_keys__()))
+            del y  # the next repetition has the same keys: until these are forgotten, persist hands them back
+            wait_forgotten(client, keys)  # (and the release would overlap the trivial graph's round trip)
             t3 = time.time()
             z = trivial_graph(x).persist()
             wait(z)
             t4 = time.time()
+            trivial_keys = list(flatten(z.__dask_keys__()))
             del z
+            wait_forgotten(client, trivial_keys)
             if i:
 
                 def ms(t, t0=t0):

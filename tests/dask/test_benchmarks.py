@@ -34,7 +34,11 @@ def test_bench_rechunk_small(tmp_path):
         for method in ("pgas", "tasks", "p2p"):
             assert row[f"{method}_ok"] is True, row  # every method's result checked against the input
             assert row[f"{method}_fwd_GBps"] > 0 and row[f"{method}_back_GBps"] > 0
-    assert rows["S1"]["alltoallw_GBps"] > 0 and rows["S1"]["chunks_out"] == [2, 1]
+    # S1's bare exchanges, timed on the workers in each round: a subarray Alltoallw and the engine's own call
+    assert rows["S1"]["alltoallw_GBps"] > 0 and rows["S1"]["engine_GBps"] > 0 and rows["S1"]["chunks_out"] == [2, 1]
+    assert len(rows["S1"]["pgas_over_bare_by_round"]) == 1 and "alltoallw_GBps" not in rows["S3"]
+    assert "S1: pgas / the round's faster bare exchange (forward)" in stdout
+    assert stdout.count("pgas OK, tasks OK, p2p OK |") == 2, stdout  # the results column
     assert rows["S3"]["chunks_in"] == [1, 2] and rows["S3"]["chunks_out"] == [2, 1]  # 2503 and 1667 do not divide
     assert "| S1 | 256x256 |" in stdout and "| S3 | 2521x2521 |" in stdout
     for row in rows.values():  # the floor no rechunk can beat, and the bound it sets on the ratio

@@ -75,6 +75,8 @@ def test_demo_main_job():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "pgas" in out.stdout and "WRONG" not in out.stdout
     assert out.stdout.count("OK") >= 3  # pgas, tasks and p2p results checked
+    # each direction against the faster peer in the same direction (it mixed directions)
+    assert re.search(r"pgas vs faster of tasks/p2p: [\d.]+x cols->rows, [\d.]+x rows->cols", out.stdout), out.stdout
     assert "Traceback" not in out.stderr
 
 
@@ -177,6 +179,28 @@ def test_timer_raises_for_a_failed_method():
         assert seconds > 0
         with pytest.raises(RuntimeError, match="this method failed"):
             timed_persist(client, lambda: x.map_blocks(_fail, dtype=x.dtype, meta=x._meta), 1, warmup=True)
+
+
+def test_the_copy_reference_copies_each_gpus_bytes_on_one_of_its_workers(monkeypatch):
+    """Workers sharing a GPU share its bandwidth: each copied its own share alone, one after another, which
+    overstated the copy (2 workers on one H200: 3.5-4.2 TB/s, past its memory bandwidth). One worker per GPU now
+    copies the bytes of all its workers; GPUs are told apart by host and bus id."""
+    from dask_pgas import cli
+
+    gpus = {"w0": ("h1", "0000:01:00.0"), "w1": ("h1", "0000:01:00.0"), "w2": ("h1", "0000:02:00.0"),
+            "w3": ("h2", "0000:01:00.0")}
+    copies = []
+
+    class Client:
+        def run(self, fn, *args, workers=None):
+            if fn is cli._gpu_of:
+                return dict(gpus)
+            assert fn is cli.device_copy_seconds and len(workers) == 1
+            copies.append((workers[0], *args))
+            return {workers[0]: args[0] / 1e12}  # 1 TB/s
+
+    assert cli.device_copy_reference(Client(), 100) == 200 / 1e12
+    assert sorted(copies) == [("w0", 200), ("w2", 100), ("w3", 100)]
 
 
 @pytest.mark.parametrize("args, message", [
