@@ -70,13 +70,15 @@ def shared_gpu_warning(members: dict[str, tuple[str | None, str | None, int | No
 
 
 def _missing_ranks(infos: dict) -> set[int]:
-    """Ranks of the workers' one MPI job without a worker here, beyond 0 and 1 (dask-mpi's scheduler and client
-    ranks); empty when the workers are not the ranks of one MPI job."""
+    """Ranks of the workers' one MPI job without a worker here, beyond the ranks the job keeps for others (0 and
+    1, dask-mpi's scheduler and client; none in LocalMPICluster's job); empty when the workers are not the ranks
+    of one MPI job."""
     sizes = {i["mpi_size"] for i in infos.values()}
     ranks = [i["mpi_rank"] for i in infos.values()]
     if len(sizes) != 1 or None in sizes or None in ranks:
         return set()
-    return set(range(sizes.pop())) - set(ranks) - {0, 1}
+    others = {r for i in infos.values() for r in i.get("non_worker_ranks", (0, 1))}
+    return set(range(sizes.pop())) - set(ranks) - others
 
 
 class PGASSchedulerPlugin(SchedulerPlugin):

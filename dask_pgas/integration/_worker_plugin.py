@@ -45,6 +45,10 @@ logger = logging.getLogger("dask_pgas.integration")
 
 PLUGIN_NAME = "dask-pgas"
 
+#: set (to "1") in the processes of a worker job whose every rank is a worker (LocalMPICluster's); elsewhere the
+#: job is taken for dask-mpi's, whose ranks 0 and 1 are the scheduler and the client
+EVERY_RANK_A_WORKER = "DASK_PGAS_EVERY_RANK_A_WORKER"
+
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -410,6 +414,7 @@ class PGASWorkerPlugin(WorkerPlugin):
             "process": _process_of(self.worker),
             "mpi_rank": rank,
             "mpi_size": size,
+            "non_worker_ranks": [] if os.environ.get(EVERY_RANK_A_WORKER) == "1" else [0, 1],
             "nanny_in_mpi_job": nanny_in_mpi_job,
             "available": available,
             "initialized": runtime.is_initialized(),

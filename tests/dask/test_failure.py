@@ -61,6 +61,8 @@ def test_teardown_kill_and_close(capfd):
                 dask_pgas.rechunk(x, (100, 300))
             w = dask_pgas.bootstrap(client)
             assert w.epoch == 2 and w.npes == 3
+            # every rank of this job is a worker: a bootstrap after a restart waits for ranks 0 and 1 too
+            assert [list(i["non_worker_ranks"]) for i in dask_pgas.world(client, detail=True).info.values()] == [[]] * 3
             np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (100, 300)).compute()), ref)
 
             # -- kill PE 1 while the collective runs (the run sleeps 4 s inside the collective)

@@ -343,13 +343,18 @@ def test_ranks_of_the_worker_job_that_have_not_registered():
     far, for good; it now waits for the others (beyond dask-mpi's scheduler and client ranks 0 and 1)."""
     from dask_pgas.integration._scheduler_plugin import _missing_ranks
 
-    def infos(size, ranks):
-        return {f"w{r}": {"mpi_size": size, "mpi_rank": r} for r in ranks}
+    def infos(size, ranks, others=(0, 1)):
+        return {f"w{r}": {"mpi_size": size, "mpi_rank": r, "non_worker_ranks": list(others)} for r in ranks}
 
-    assert _missing_ranks(infos(4, [0, 1, 2, 3])) == set()
-    assert _missing_ranks(infos(4, [0, 3])) == {2}  # LocalMPICluster's job, two ranks still registering
+    assert _missing_ranks(infos(4, [0, 1, 2, 3], ())) == set()
+    # LocalMPICluster's job (every rank a worker), ranks still registering: rank 0 or 1 too (they were never
+    # waited for, and a world without them was built for good)
+    assert _missing_ranks(infos(4, [0, 3], ())) == {1, 2}
+    assert _missing_ranks(infos(4, [2, 3], ())) == {0, 1}
+    assert _missing_ranks(infos(2, [1], ())) == {0}
     assert _missing_ranks(infos(5, [2, 3, 4])) == set()  # dask_mpi.initialize(): scheduler 0, client 1
     assert _missing_ranks(infos(4, [1, 2, 3])) == set()  # the dask-mpi CLI: scheduler 0
+    assert _missing_ranks(infos(5, [2, 4])) == {3}
     assert _missing_ranks({"a": {"mpi_size": None, "mpi_rank": None}}) == set()  # not MPI processes
 
 
