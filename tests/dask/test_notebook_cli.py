@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -271,3 +273,40 @@ def test_dask_cuda_example_says_what_it_needs():
         pytest.skip("CuPy and dask-cuda are installed: the example would start a GPU cluster")
     out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "pip install dask-cuda" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_cli_world_reads_a_scheduler_file_still_being_written(tmp_path, capsys):
+    """A scheduler file that is empty when `dask-pgas world` starts and written 0.3 s later is read again (the
+    scheduler may be writing it): the command goes on to connect (here to a scheduler that is gone: exit 1),
+    it does not refuse the file (exit 2)."""
+    from dask_pgas.cli import main
+
+    path = tmp_path / "scheduler.json"
+    path.write_text("")
+    content = json.dumps({"type": "Scheduler", "id": "gone", "address": "tcp://127.0.0.1:1", "services": {},
+                          "started": 0, "workers": {}})
+    timer = threading.Timer(0.3, path.write_text, (content,))
+    timer.start()
+    try:
+        assert main(["world", "--scheduler-file", str(path), "--timeout", "2"]) == 1
+    finally:
+        timer.cancel()
+    assert "no scheduler answers" in capsys.readouterr().err
+
+
+def test_demo_fails_when_pgas_fails(monkeypatch, capsys):
+    """The demo's exit code is its verdict (CI runs it): 1 when the pgas rechunk fails, even though the
+    comparison methods worked."""
+    from dask_pgas import cli
+
+    real = cli.timed_persist
+
+    def timed(client, make, repeats, **kwargs):
+        if "'pgas'" in repr(make.__defaults__):
+            raise RuntimeError("injected pgas failure")
+        return real(client, make, repeats, **kwargs)
+
+    monkeypatch.setattr(cli, "timed_persist", timed)
+    assert cli.main(["demo", "--size", "1MiB", "--workers", "2", "--repeats", "1", "--cpu"]) == 1
+    out = capsys.readouterr().out
+    assert "injected pgas failure" in out and "tasks" in out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import stat
+from types import SimpleNamespace
 
 import pytest
 
@@ -113,3 +114,30 @@ def test_bad_arguments_are_refused_before_anything_starts(kwargs, message, monke
     from dask_pgas.integration._cluster import _check_arguments
 
     _check_arguments(np.int64(2), np.int32(1), "auto", 0, 1)  # integer-likes are integers
+
+
+class _DeafClient:
+    status = "running"
+
+    def __init__(self, exc):
+        self.exc = exc
+        self.scheduler = SimpleNamespace(address="tcp://deaf:1", pgas_world=None, pgas_teardown=None)
+
+    def run_on_scheduler(self, func):
+        return True
+
+    def sync(self, func, **kwargs):
+        raise self.exc
+
+
+@pytest.mark.parametrize("exc", [OSError("Stream is closed"), TimeoutError("no reply")])
+def test_world_of_a_scheduler_that_does_not_answer_raises(exc):
+    """world() and teardown() of a scheduler that does not answer raise PGASWorldError naming it, instead of
+    a bare comm error (or None, which reads as 'no world' and makes a caller bootstrap)."""
+    from dask_pgas.errors import PGASWorldError
+    from dask_pgas.integration import teardown, world
+
+    with pytest.raises(PGASWorldError, match=r"the scheduler at tcp://deaf:1 does not answer"):
+        world(_DeafClient(exc))
+    with pytest.raises(PGASWorldError, match=r"does not answer"):
+        teardown(_DeafClient(exc))

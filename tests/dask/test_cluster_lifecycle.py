@@ -1,0 +1,139 @@
+"""LocalMPICluster's start failures, restart_workers=False, the kill escalation, the worker ranks' own orphan
+guard and the shared-memory files of restarted jobs. Each failed on a mutant of the launcher that the other tests
+let through (a mutation review)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import dask_pgas
+from dask_pgas.integration import _cluster
+from dask_pgas.integration._orphan_guard import _alive
+
+pytestmark = [pytest.mark.dask, pytest.mark.timeout(240)]
+
+
+def test_kill_escalates_to_sigkill_for_a_process_that_ignores_sigterm():
+    """_kill (close(), and a cluster dropped unclosed) must not leave a process that ignores SIGTERM (a rank
+    stuck in a collective, a handler that swallows it) running."""
+    proc = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
+                             "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint(flush=True)\ntime.sleep(120)"],
+                            stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        proc.stdout.readline()  # its handler is in place
+        t0 = time.monotonic()
+        _cluster._kill([proc], [], {})
+        assert proc.poll() == -signal.SIGKILL
+        assert time.monotonic() - t0 < 15
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("what", ["scheduler", "workers"])
+def test_a_failed_start_fails_fast_and_leaves_nothing(what, monkeypatch):
+    """The scheduler (or the worker job) exits at start: the start fails at once, quoting it, and the processes
+    already started and the temporary directory are gone when the error is raised (not when the half-made
+    cluster is garbage-collected)."""
+    import tempfile
+
+    spawned, dirs = [], []
+    spawn, mkdtemp = _cluster.LocalMPICluster._spawn, tempfile.mkdtemp
+    monkeypatch.setattr(_cluster.LocalMPICluster, "_spawn",
+                        lambda self, *a, **k: spawned.append(spawn(self, *a, **k)) or spawned[-1])
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda *a, **k: dirs.append(mkdtemp(*a, **k)) or dirs[-1])
+    kwargs = {"n_workers": 1, "bootstrap": False, "timeout": 60}
+    if what == "scheduler":
+        monkeypatch.setattr(sys, "executable", "/bin/false")  # the scheduler's command fails at once
+        match = "the scheduler exited at start"
+    else:
+        kwargs["mpiexec_args"] = "--no-such-flag"
+        match = "worker job exited at start"
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=match) as failed:
+        dask_pgas.LocalMPICluster(**kwargs)
+    monkeypatch.undo()
+    assert time.monotonic() - t0 < 15
+    assert spawned and all(p.poll() is not None for p in spawned), [p.args[:3] for p in spawned]
+    assert dirs and not os.path.exists(dirs[0])
+    del failed
+
+
+def test_restart_workers_false_leaves_a_dead_worker_job_dead():
+    """restart_workers=False: a rank that dies takes the MPI job down and no new job is started."""
+    from distributed import Client
+
+    with dask_pgas.LocalMPICluster(n_workers=2, bootstrap=False, restart_workers=False) as cluster, \
+            Client(cluster) as client:
+        victim = cluster.worker_pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while cluster._workers.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert cluster._workers.poll() is not None
+        time.sleep(2)  # the watcher looks every 0.2 s
+        assert cluster.restarts == 0 and len(cluster._procs) == 2
+        assert not client.scheduler_info()["workers"]
+
+
+def test_worker_ranks_watch_the_launcher_themselves():
+    """The driver is killed while the scheduler cannot act on it (stopped here; busy or hung alike): the worker
+    ranks, watching the launcher PID themselves, exit all the same."""
+    import json
+
+    program = ("import json, sys, time, dask_pgas\n"
+               "c = dask_pgas.LocalMPICluster(n_workers=2, bootstrap=False)\n"
+               "print(json.dumps([c._scheduler.pid, c.worker_pids()]), flush=True)\n"
+               "time.sleep(300)\n")
+    driver = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
+    scheduler = None
+    try:
+        scheduler, ranks = json.loads(driver.stdout.readline())
+        os.kill(scheduler, signal.SIGSTOP)
+        driver.kill()
+        driver.wait(30)
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [p for p in ranks if _alive(p)]
+    finally:
+        driver.kill()
+        driver.wait()
+        if scheduler is not None:
+            os.kill(scheduler, signal.SIGKILL)
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"worker ranks {left} outlived their launcher"
+
+
+def test_a_restarted_worker_job_that_dies_too_leaves_no_shared_memory_files():
+    """The watcher records a restarted job's MPICH /dev/shm files once its ranks are up, so that they are removed
+    when that job dies as well (MPICH leaves them behind a killed job)."""
+    from distributed import Client
+
+    from dask_pgas.integration._orphan_guard import mpi_shm_files
+
+    with dask_pgas.LocalMPICluster(n_workers=2, bootstrap=False) as cluster, Client(cluster) as client:
+        for restarts in (1, 2):
+            files = mpi_shm_files(cluster.worker_pids())
+            if not files:
+                pytest.skip("no MPICH shared-memory files (another MPI)")
+            os.kill(cluster.worker_pids()[0], signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while cluster.restarts < restarts and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert cluster.restarts == restarts
+            client.wait_for_workers(2, timeout=60)
+            deadline = time.monotonic() + 10
+            while (left := [f for f in files if os.path.exists(f)]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not left, f"job {restarts - 1}'s files outlived it: {left}"
+            while cluster._workers.pid not in cluster._shm and time.monotonic() < deadline:  # noted by the watcher
+                time.sleep(0.1)
