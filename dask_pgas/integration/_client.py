@@ -168,6 +168,9 @@ def teardown(client=None) -> dict[str, int]:
         raise PGASWorldError("no PGAS world to tear down: dask_pgas.bootstrap(client) never ran on this cluster")
     try:
         result = client.sync(client.scheduler.pgas_teardown)
+    except (OSError, TimeoutError) as exc:  # (CommClosedError is an OSError): the world may be there still
+        raise PGASWorldError(f"the scheduler at {client.scheduler.address} does not answer ({exc!r}); the "
+                             "world was not torn down") from None
     except Exception as exc:
         raise PGASWorldError(f"no PGAS world to tear down ({exc}); call dask_pgas.bootstrap(client)") from None
     if result["status"] != "OK":

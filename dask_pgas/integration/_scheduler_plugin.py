@@ -336,8 +336,8 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                 self.world, self.broken = tuple(order), f"bootstrap failed on {w}: {why}"
                 return {"status": "error", "message": self.broken}
             for pe, w in enumerate(order):
-                if res[w]["pe"] != pe:
-                    self.broken = f"worker {w} became PE {res[w]['pe']}, expected {pe}"
+                if res[w]["pe"] != pe:  # (the members did initialize: a broken world, ended as the others are)
+                    self.world, self.broken = tuple(order), f"worker {w} became PE {res[w]['pe']}, expected {pe}"
                     return {"status": "error", "message": self.broken}
             self.world = tuple(order)
             self.backends = tuple(backends)

@@ -137,7 +137,9 @@ def test_bootstrap_maps_each_worker_to_the_pe_it_became_and_refuses_a_mismatch()
     assert ok["status"] == "OK" and ok["workers"] == ["w0", "w1"]  # ordered by MPI rank
     plugin, bad = asyncio.run(main(True))
     assert bad["status"] == "error" and "became PE 1, expected 0" in bad["message"]
-    assert plugin.broken
+    # the members did initialize: the world is kept, broken, so that teardown or bootstrap ends it collectively
+    # (as after any other failed bootstrap; it was dropped and its members never finalized)
+    assert plugin.broken and plugin.world == ("w0", "w1")
 
 
 def test_a_broken_world_that_cannot_be_torn_down_is_not_replaced():

@@ -141,3 +141,22 @@ def test_world_of_a_scheduler_that_does_not_answer_raises(exc):
         world(_DeafClient(exc))
     with pytest.raises(PGASWorldError, match=r"does not answer"):
         teardown(_DeafClient(exc))
+
+
+def test_teardown_that_loses_the_scheduler_does_not_say_there_is_no_world():
+    """The scheduler answered that it has a world, then dropped the teardown call: teardown said "no PGAS world
+    to tear down ... call bootstrap", though the world may be there still."""
+    from dask_pgas.errors import PGASWorldError
+    from dask_pgas.integration import teardown
+
+    class DeafToTeardown(_DeafClient):
+        def sync(self, func, **kwargs):
+            if func is self.scheduler.pgas_world:
+                return {"epoch": 1, "workers": ["w0"], "backends": ["mpi"], "broken": None}
+            raise self.exc
+
+    client = DeafToTeardown(OSError("Stream is closed"))
+    client.scheduler.pgas_world, client.scheduler.pgas_teardown = object(), object()
+    with pytest.raises(PGASWorldError, match=r"does not answer .*the world was not torn down") as info:
+        teardown(client)
+    assert "no PGAS world" not in str(info.value)
