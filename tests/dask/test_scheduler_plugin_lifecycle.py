@@ -52,7 +52,8 @@ class _Scheduler:
 
 
 def _fake_rpc(sched, answers):
-    """``answers[op]`` is a function (addr, **kwargs) -> reply (an exception instance is raised)."""
+    """``answers[op]`` is a function (addr, **kwargs) -> reply, or a coroutine function (an exception instance
+    is raised)."""
 
     class _Rpc:
         def __init__(self, addr):
@@ -62,6 +63,8 @@ def _fake_rpc(sched, answers):
             async def call(**kwargs):
                 sched.calls.append((self.addr, op, kwargs))
                 r = answers[op](self.addr, **kwargs)
+                if asyncio.iscoroutine(r):
+                    r = await r
                 if isinstance(r, BaseException):
                     raise r
                 return r
@@ -257,20 +260,7 @@ def test_a_bootstrap_that_timed_out_leaves_a_broken_world_that_the_next_bootstra
                 await asyncio.sleep(5)
             return _mpi_init(addr, ranks)
 
-        class _Rpc:
-            def __init__(self, addr):
-                self.addr = addr
-
-            def __getattr__(self, op):
-                async def call(**kwargs):
-                    sched.calls.append((self.addr, op, kwargs))
-                    if op == "pgas_info":
-                        return _info(self.addr, int(self.addr[1:]), 2)
-                    return await init_reply(self.addr, **kwargs)
-
-                return call
-
-        sched.rpc = _Rpc
+        sched.rpc = _fake_rpc(sched, {"pgas_info": lambda a, **k: _info(a, int(a[1:]), 2), "pgas_init": init_reply})
         first = await plugin.bootstrap(backends=["mpi"], timeout=0.3)
         broken = plugin._describe()
         slow.clear()
