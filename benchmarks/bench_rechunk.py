@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 
@@ -82,11 +81,14 @@ def _bare_exchanges(n: int, repeats: int) -> dict[str, list[float]]:
     return times
 
 
-def _on_collective_thread(fn, *args, dask_worker=None):
-    """(client.run) ``fn(*args)`` on the worker's PGAS collective thread, where its MPI calls belong."""
+async def _on_collective_thread(fn, *args, dask_worker=None):
+    """(client.run) ``fn(*args)`` on the worker's PGAS collective thread, where its MPI calls belong, queued
+    behind any run there; the worker's event loop stays free meanwhile (a plain function would block it)."""
+    import asyncio
+
     from dask_pgas.integration._worker_plugin import get_plugin
 
-    return get_plugin(dask_worker)._thread.submit(fn, *args).result(timeout=600)
+    return await asyncio.wrap_future(get_plugin(dask_worker)._thread.submit(fn, *args))
 
 
 def bare_exchange_seconds(client, n: int, repeats: int) -> dict[str, float]:
@@ -225,15 +227,6 @@ def _s3_size(text: str) -> int:
     return n
 
 
-def _truncated(v: float, digits: int = 1) -> float:
-    """``v`` cut (not rounded) to ``digits`` decimals: 4.996 shows as 4.9, as it counts (below 5)."""
-    return math.floor(v * 10**digits) / 10**digits
-
-
-def _x(v: float) -> str:
-    return f"{_truncated(v):.1f}x"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--workers", type=int, default=4)
@@ -255,8 +248,12 @@ def main() -> None:
     from distributed import Client
 
     import dask_pgas
+    from dask_pgas.cli import ratio_text, truncated
 
     p = args.workers
+    if "S1" in args.scenarios.split(",") and args.n % p:  # (before the cluster starts)
+        raise SystemExit(f"S1: --n {args.n} is not a multiple of the {p} workers (the slabs would be {p + 1}, and "
+                         f"the bare exchange's {p})")
     methods = args.methods.split(",")
     wanted = args.scenarios.split(",")
     rows = []
@@ -271,12 +268,9 @@ def main() -> None:
                 else:  # bytes per worker
                     per = {"S1-1MiB": 2**20, "S1-16MiB": 2**24}[name]
                     n = int((per * p / 8) ** 0.5) // p * p
-                if n % p:
-                    raise SystemExit(f"{name}: N={n} is not a multiple of the {p} workers (the slabs would be "
-                                     f"{p + 1}, and the bare exchange's {p})")
                 b = n // p
                 row = scenario(client, name, (n, n), (n, b), (b, n), methods, args.repeats, rounds=args.rounds,
-                               floor=True, bare=True)
+                               floor=True, bare="pgas" in methods)
             elif name == "S3":
                 n = args.s3_n  # prime; chunk sizes that do not divide it
                 row = scenario(client, name, (n, n), (n, 2503), (1667, n), methods, args.repeats,
@@ -299,11 +293,11 @@ def main() -> None:
                 return r.get(f"{m}_error", "-")[:40]
             return f"{r[f'{m}_fwd_GBps']:.2f} / {r[f'{m}_back_GBps']:.2f}"
         peers = [r[f"{m}_fwd_GBps"] for m in ("tasks", "p2p") if f"{m}_fwd_GBps" in r]
-        ratio = f"{_x(r['pgas_fwd_GBps'] / max(peers))} fwd" if peers and "pgas_fwd_GBps" in r else "-"
+        ratio = f"{ratio_text(r['pgas_fwd_GBps'] / max(peers))} fwd" if peers and "pgas_fwd_GBps" in r else "-"
         bare = max(r.get("alltoallw_GBps", 0), r.get("engine_GBps", 0))
         pct = f"{100 * r['pgas_fwd_GBps'] / bare:.0f}% fwd" if bare and "pgas_fwd_GBps" in r else "-"
         # the most any rechunk that moves the bytes through MPI could show against Dask in this run
-        ceiling = _x(bare / max(peers)) if bare and peers else "-"
+        ceiling = ratio_text(bare / max(peers)) if bare and peers else "-"
         bares = f"{r['alltoallw_GBps']:.2f} / {r['engine_GBps']:.2f}" if bare else "-"
         checked = ", ".join(f"{m} {'OK' if r[f'{m}_ok'] else 'WRONG'}" if f"{m}_ok" in r else f"{m} unchecked"
                             for m in ("pgas", "tasks", "p2p") if f"{m}_fwd_GBps" in r)
@@ -321,8 +315,10 @@ def main() -> None:
             ("best_peer_over_floor_by_round", "the most any rechunk could reach (best peer / floor) by round", 5),
         ):
             if values := r.get(key):
-                shown = " ".join(_x(v) if least > 1 else f"{_truncated(100 * v, 0):.0f}%" for v in values)
-                print(f"{r['scenario']}: {what}: {shown}; at least {_x(least) if least > 1 else f'{least:.0%}'} in "
+                def show(v, least=least):
+                    return ratio_text(v) if least > 1 else f"{truncated(100 * v, 0):.0f}%"
+
+                print(f"{r['scenario']}: {what}: {' '.join(map(show, values))}; at least {show(least)} in "
                       f"{sum(v >= least for v in values)} of {len(values)}")
     if args.json:
         with open(args.json, "w") as f:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import math
 import os
 import statistics
 import sys
@@ -97,22 +98,26 @@ def device_copy_seconds(nbytes: int, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def _gpu_of() -> tuple[str, str]:
-    """(host, PCI bus id) of this worker's current GPU: the same for every worker that shares it."""
-    import socket
+def truncated(v: float, digits: int = 1) -> float:
+    """``v`` cut (not rounded) to ``digits`` decimals, so that a ratio shows as it counts: 4.996 as 4.9."""
+    return math.floor(v * 10**digits + 1e-9) / 10**digits  # (+1e-9: 0.57 * 100 is 56.99999999999999)
 
-    import cupy
 
-    return socket.gethostname(), cupy.cuda.Device().pci_bus_id
+def ratio_text(v: float) -> str:
+    return f"{truncated(v):.1f}x"
 
 
 def device_copy_reference(client, nbytes_per_worker: int) -> float:
     """Seconds of the device-to-device copy that bounds a rechunk of ``nbytes_per_worker`` on every worker.
-    Workers that share a GPU share its memory bandwidth, so one of them copies the bytes of all of them (copies
-    run one worker at a time would each get the whole GPU and overstate it); the slowest GPU's time."""
+    Workers that share a GPU (the same host and PCI bus id in the PGAS world's description) share its memory
+    bandwidth, so one of them copies the bytes of all of them (copies run one worker at a time would each get
+    the whole GPU and overstate it); the slowest GPU's time."""
+    import dask_pgas
+
     by_gpu: dict = {}
-    for worker, gpu in client.run(_gpu_of).items():
-        by_gpu.setdefault(gpu, []).append(worker)
+    for worker, info in dask_pgas.world(client, detail=True).info.items():
+        gpu = info.get("gpu") if isinstance(info, dict) else None
+        by_gpu.setdefault((info["host"], gpu) if gpu else worker, []).append(worker)  # (unknown: its own)
     return max(client.run(device_copy_seconds, len(ws) * nbytes_per_worker, workers=[ws[0]])[ws[0]]
                for ws in by_gpu.values())
 
@@ -178,7 +183,7 @@ def demo(args: argparse.Namespace) -> int:
             p = results["pgas"]
             if peers:  # each direction against the faster peer in that direction
                 fwd_x, back_x = (min(r[d] for r in peers) / p[d] for d in (0, 1))
-                print(f"  pgas vs faster of tasks/p2p: {fwd_x:.1f}x cols->rows, {back_x:.1f}x rows->cols")
+                print(f"  pgas vs faster of tasks/p2p: {ratio_text(fwd_x)} cols->rows, {ratio_text(back_x)} rows->cols")
             if copy:
                 print(f"  device-to-device copy of the same bytes: {gb / copy:.2f} GB/s; pgas reaches "
                       f"{copy / p[0]:.0%} (cols->rows) and {copy / p[1]:.0%} (rows->cols) of it")

@@ -436,6 +436,9 @@ class NVSHMEMEngine(Engine):
         from ..bindings.cuda import driver
 
         def prepare() -> tuple[Any, Any]:
+            if _left_up_by:  # (a second init there would wait for PEs that are not in it)
+                raise RuntimeError(f"NVSHMEM was left initialized in this process by a failed bring-up "
+                                   f"({_left_up_by}); restart the process")
             drv = driver()
             drv.make_current(device)
             _use_device_in_packages(device)
@@ -468,16 +471,16 @@ class NVSHMEMEngine(Engine):
                 error = f"{type(exc).__name__}: {exc}"
             outcomes = control.allgather((error, returned))
             if bad := [(r, e) for r, (e, _) in enumerate(outcomes) if e]:
-                if all(came for _, came in outcomes):  # NVSHMEM came up, even partly, everywhere: down together
+                raised = [(r, e) for r, (e, came) in enumerate(outcomes) if not came]
+                if not raised:  # NVSHMEM came up, even partly, everywhere: down together
                     nv.finalize()
                     _raise_unavailable(bad)
                 # where init raised, NVSHMEM's state is unknown: a collective finalize could wait for it forever
+                global _left_up_by
                 left = [r for r, (_, came) in enumerate(outcomes) if came]
-                raise BackendUnavailableError(
-                    f"the nvshmem engine cannot start on rank {bad[0][0]}: {bad[0][1]}. NVSHMEM's init raised "
-                    f"there, so it cannot be finalized collectively and stays as it is on ranks {left}: restart "
-                    "these processes before initializing the nvshmem backend again"
-                )
+                _left_up_by = f"init raised on rank {raised[0][0]}"
+                _raise_unavailable(raised, f". NVSHMEM's init raised there, so it cannot be finalized collectively "
+                                           f"and stays as it is on ranks {left}: restart these processes")
         try:
             return cls(nv, drv, device, control, status, expected=(rank, nranks))
         except BaseException:
@@ -970,10 +973,14 @@ class NVSHMEMReshapePlan(ReshapePlan):
             raise CollectiveError(f"destroying the cuFFTMp reshape failed on rank {bad[0][0]}: {bad[0][1]}")
 
 
-def _raise_unavailable(bad: list[tuple[int, str]]) -> None:
+def _raise_unavailable(bad: list[tuple[int, str]], more: str = "") -> None:
     """Raise, on every PE alike, the first failure of an agreed bring-up step (``control.agree``'s list)."""
     if bad:
-        raise BackendUnavailableError(f"the nvshmem engine cannot start on rank {bad[0][0]}: {bad[0][1]}")
+        raise BackendUnavailableError(f"the nvshmem engine cannot start on rank {bad[0][0]}: {bad[0][1]}{more}")
+
+
+#: why NVSHMEM stays initialized in this process after a failed bring-up (None: it does not)
+_left_up_by: str | None = None
 
 
 def _trace(rank: int, msg: str) -> None:

@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 from distributed.core import Status
@@ -244,7 +245,7 @@ class LocalMPICluster:
         memory_limit: str | None = None,
         bootstrap: bool = True,
         backends: Any = None,
-        mpiexec_args: tuple[str, ...] = (),
+        mpiexec_args: str | Sequence[str] = (),
         env: dict[str, str] | None = None,
         timeout: float = 120.0,
         restart_workers: bool = True,
@@ -254,9 +255,13 @@ class LocalMPICluster:
             memory_limit = "0" if gpus else "auto"
         _check_arguments(n_workers, threads_per_worker, memory_limit, gpus, timeout)
         if isinstance(mpiexec_args, str):  # (unpacked as is, it gave mpiexec one argument per character)
-            mpiexec_args = tuple(shlex.split(mpiexec_args))
+            mpiexec_args = shlex.split(mpiexec_args)
+        try:
+            mpiexec_args = tuple(mpiexec_args)  # (a generator is read once, here)
+        except TypeError:
+            mpiexec_args = (mpiexec_args,)
         if not all(isinstance(a, str) for a in mpiexec_args):
-            raise ValueError(f"mpiexec_args must be strings, got {mpiexec_args!r}")
+            raise ValueError(f"mpiexec_args must be strings (a sequence, or one string), got {mpiexec_args!r}")
         bad_env = [(k, v) for k, v in (env or {}).items()
                    if not (isinstance(k, str) and isinstance(v, (str, bytes, os.PathLike)))]
         if bad_env:

@@ -98,14 +98,15 @@ def output(name: str, pe: int, epoch: int, npes: int, box_slices: tuple, whole: 
     return get_plugin().take(name, pe, epoch, npes, box_slices, whole, run)
 
 
-def assemble(pe: int, epoch: int, npes: int, shape: tuple, dtype: Any, pieces: tuple, *arrays: Any) -> Any:
+def assemble(pe: int, epoch: int, npes: int, shape: tuple, dtype: Any, package: str, pieces: tuple,
+             *arrays: Any) -> Any:
     """On PE ``pe``: an output chunk of the array's ``dtype`` (an ``np.dtype``: ``dtype.str`` loses a struct's
     fields) built from input chunk pieces that are already on this PE (local plan). (Dask can hand over chunks
     whose byte order differs from the array's dtype.)"""
     import numpy as np
 
     get_plugin().check(pe, epoch, npes)
-    refuse_unmovable(arrays, dtype)
+    refuse_unmovable(arrays, dtype, package)
     if len(pieces) == 1:
         view = arrays[0][pieces[0][0]]
         if view.shape == tuple(shape) and view.dtype == dtype:
@@ -171,7 +172,7 @@ def _source(dsk: dict, x, token: str, tag: tuple, index: tuple, chunk_slices: tu
     return TaskRef(key), tuple(slice(0, s.stop - s.start) for s in chunk_slices)
 
 
-def build_local_graph(x, plan, name: str, epoch: int) -> dict:
+def build_local_graph(x, plan, name: str, epoch: int, package: str) -> dict:
     """Tasks of a pgas rechunk whose ``plan`` moves nothing between PEs: one pinned task per output chunk."""
     from ..geometry.chunks import chunk_sources
 
@@ -191,6 +192,6 @@ def build_local_graph(x, plan, name: str, epoch: int) -> dict:
             ref, chunk_slices = _source(dsk, x, token, index, src, chunk_slices, src in cut)
             refs.append(ref)
             slices.append((chunk_slices, out_slices))
-        dsk[key] = PinnedTask(key, assemble, pe, epoch, plan.npes, shape, x.dtype, tuple(slices), *refs, pe=pe,
-                              epoch=epoch, npes=plan.npes)
+        dsk[key] = PinnedTask(key, assemble, pe, epoch, plan.npes, shape, x.dtype, package, tuple(slices), *refs,
+                              pe=pe, epoch=epoch, npes=plan.npes)
     return dsk

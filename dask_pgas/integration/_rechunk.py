@@ -227,7 +227,7 @@ def rechunk(
     token = tokenize(x, target, "pgas", world["epoch"], npes, spec, local)
     name = f"pgas-rechunk-{token}"
     if local:
-        dsk = build_local_graph(x, plan, name, world["epoch"])
+        dsk = build_local_graph(x, plan, name, world["epoch"], package)
     else:
         dsk = build_graph(x, plan, name, world["epoch"], spec)
     with _owners_lock:

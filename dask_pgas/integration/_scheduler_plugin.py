@@ -194,6 +194,8 @@ class PGASSchedulerPlugin(SchedulerPlugin):
 
     #: seconds bootstrap waits for ranks of the workers' MPI job that have not registered yet
     RANKS_GRACE = 10.0
+    #: seconds teardown waits for the members to free their buffers and finalize
+    TEARDOWN_TIMEOUT = 120.0
 
     async def bootstrap(self, backends: list | None = None, timeout: Any = None) -> dict:
         timeout = setting("bootstrap-timeout") if timeout is None else duration(timeout, "the bootstrap timeout")
@@ -390,7 +392,12 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             # meanwhile gets a clear error instead of a run on PEs that are tearing down
             self.world = ()
             self.backends = ()
-            res = await self._call(members, "pgas_teardown", timeout=parse_timedelta("120s"), force=bool(broken))
+            try:
+                res = await self._call(members, "pgas_teardown", timeout=self.TEARDOWN_TIMEOUT, force=bool(broken))
+            except asyncio.TimeoutError:  # (a bare timeout reached the client as "the scheduler does not answer")
+                return {"status": "error", "message": f"the members {members} did not finish tearing the world "
+                        f"down within {self.TEARDOWN_TIMEOUT:g} s; the world is dropped. dask_pgas.bootstrap(client) "
+                        "builds a new one (members still inside the old one refuse it: then restart the cluster)"}
             errors = {w: r for w, r in res.items() if isinstance(r, BaseException) or r["status"] != "OK"}
             if errors:
                 return {"status": "error", "message": str(errors)}

@@ -835,11 +835,10 @@ class PGASWorkerPlugin(WorkerPlugin):
         return src, dst
 
 
-def refuse_unmovable(arrays: tuple, dtype: Any, package: str | None = None) -> None:
+def refuse_unmovable(arrays: tuple, dtype: Any, package: str) -> None:
     """Raise for chunks a pgas rechunk would change while moving them (or cannot move), before any data moves.
 
-    - Chunks that are not NumPy/CuPy arrays, or (``package`` given: the collective's buffers) not of the
-      array's package, under a ``_meta`` that says they are.
+    - Chunks that are not arrays of the array's ``package`` (its ``_meta``'s: NumPy or CuPy).
 
     - Masked arrays under a plain ``_meta`` (Dask's default for ``from_delayed`` or ``map_blocks``): the
       collective and the local copies move data, not masks. (A masked ``_meta`` makes ``rechunk`` follow
@@ -854,10 +853,10 @@ def refuse_unmovable(arrays: tuple, dtype: Any, package: str | None = None) -> N
     from .._arrays import package_of
 
     for a in arrays:
-        if (found := package_of(a)) is None or found == "torch" or (package is not None and found != package):
+        if package_of(a) != package:
             raise UnsupportedOperandError(
                 f"a chunk is a {type(a).__module__}.{type(a).__qualname__}, but the Dask array's meta says "
-                f"{package or 'numpy or cupy'} arrays: a pgas rechunk moves arrays of the meta's package. Make "
+                f"{package} arrays: a pgas rechunk moves arrays of the meta's package. Make "
                 "the chunks match the meta (map_blocks(np.asarray) or map_blocks(cupy.asarray), or declare "
                 "meta=... in from_delayed/map_blocks), or rechunk with method='tasks'"
             )

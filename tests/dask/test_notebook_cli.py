@@ -186,23 +186,26 @@ def test_timer_raises_for_a_failed_method():
 def test_the_copy_reference_copies_each_gpus_bytes_on_one_of_its_workers(monkeypatch):
     """Workers sharing a GPU share its bandwidth: each copied its own share alone, one after another, which
     overstated the copy (2 workers on one H200: 3.5-4.2 TB/s, past its memory bandwidth). One worker per GPU now
-    copies the bytes of all its workers; GPUs are told apart by host and bus id."""
+    copies the bytes of all its workers; GPUs are told apart by host and bus id (as the world describes them)."""
+    from types import SimpleNamespace
+
+    import dask_pgas
     from dask_pgas import cli
 
-    gpus = {"w0": ("h1", "0000:01:00.0"), "w1": ("h1", "0000:01:00.0"), "w2": ("h1", "0000:02:00.0"),
-            "w3": ("h2", "0000:01:00.0")}
+    info = {"w0": {"host": "h1", "gpu": "0000:01:00.0"}, "w1": {"host": "h1", "gpu": "0000:01:00.0"},
+            "w2": {"host": "h1", "gpu": "0000:02:00.0"}, "w3": {"host": "h2", "gpu": "0000:01:00.0"},
+            "w4": {"host": "h2"}}  # (a GPU the worker could not name: counted alone)
+    monkeypatch.setattr(dask_pgas, "world", lambda client, detail: SimpleNamespace(info=info))
     copies = []
 
     class Client:
         def run(self, fn, *args, workers=None):
-            if fn is cli._gpu_of:
-                return dict(gpus)
             assert fn is cli.device_copy_seconds and len(workers) == 1
             copies.append((workers[0], *args))
             return {workers[0]: args[0] / 1e12}  # 1 TB/s
 
     assert cli.device_copy_reference(Client(), 100) == 200 / 1e12
-    assert sorted(copies) == [("w0", 200), ("w2", 100), ("w3", 100)]
+    assert sorted(copies) == [("w0", 200), ("w2", 100), ("w3", 100), ("w4", 100)]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -218,7 +218,7 @@ def test_chunks_that_are_no_arrays_are_refused_by_name(client, local):
     with "'list' object has no attribute 'dtype'"; the error now says what the chunk is and what to do."""
     x = da.arange(60.0, chunks=20).map_blocks(lambda b: b.tolist(), meta=np.array(()))
     with dask.config.set({"pgas.local-rechunk": local}):
-        with pytest.raises(Exception, match=r"a chunk is a builtins\.list, but the Dask array's meta says"):
+        with pytest.raises(Exception, match=r"a chunk is a builtins\.list, but the Dask array's meta says numpy"):
             dask_pgas.rechunk(x, 7).compute()
     assert dask_pgas.world(client).broken is None
 

@@ -169,6 +169,26 @@ def test_a_broken_world_that_cannot_be_torn_down_is_not_replaced():
     assert not [c for c in sched.calls if c[1] == "pgas_init"]
 
 
+def test_a_teardown_that_times_out_on_a_member_says_so():
+    """A member that does not finish its teardown: the scheduler's timeout reached the client as a bare
+    TimeoutError, read there as "the scheduler does not answer"; it is the scheduler's answer now."""
+
+    async def slow(addr, force):
+        await asyncio.sleep(5 if addr == "w1" else 0)
+        return {"status": "OK", "heap": {}, "buffer_bytes": 0}
+
+    async def main():
+        plugin, sched = await _plugin(["w0", "w1"])
+        plugin.world, plugin.epoch, plugin.backends = ("w0", "w1"), 1, ("mpi",)
+        plugin.TEARDOWN_TIMEOUT = 0.2
+        sched.rpc = _fake_rpc(sched, {"pgas_teardown": slow})
+        return plugin, await plugin.teardown()
+
+    plugin, result = asyncio.run(main())
+    assert result["status"] == "error" and "did not finish tearing the world down within 0.2 s" in result["message"]
+    assert plugin.world == ()
+
+
 def test_a_closing_scheduler_losing_a_member_mid_run_still_fails_the_run():
     """The scheduler closes while a run is inside its collective: that is a failure (its output tasks wait for
     it), not the quiet end of a dask-mpi job."""

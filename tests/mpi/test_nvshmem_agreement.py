@@ -22,6 +22,7 @@ EXPECTED = {
     "bring-up: making the device current fails on one rank": "BackendUnavailableError",
     "bring-up: NVSHMEM does not initialize on one rank": "BackendUnavailableError",
     "bring-up: NVSHMEM's init raises on one rank": "BackendUnavailableError",
+    "bring-up: again after NVSHMEM's init raised": "BackendUnavailableError",
     "bring-up: a device given on one rank only": "none",
     "settings: the same values spelled differently": "none",
     "settings: DASK_PGAS_NVSHMEM_RESHAPE read once at bring-up": "none",
@@ -104,6 +105,9 @@ def test_gpu_engine_agrees_before_collectives(nranks):
     raised = outcomes["bring-up: NVSHMEM's init raises on one rank"]["message"]
     assert f"on rank {nranks - 1}: RuntimeError: injected" in raised and "restart these processes" in raised, raised
     never["bring-up: NVSHMEM's init raises on one rank"] = ("finalize",)  # (collective: the raising rank is gone)
+    never["bring-up: again after NVSHMEM's init raised"] = ("init",)
+    again = outcomes["bring-up: again after NVSHMEM's init raised"]["message"]
+    assert f"left initialized in this process by a failed bring-up (init raised on rank {nranks - 1})" in again
     for name, forbidden in never.items():
         assert not [c for c in calls[name] for f in forbidden if c.get(f)], (name, calls[name])
     aligned = calls["execute: an aligned operand runs cuFFTMp on every rank"]

@@ -96,6 +96,8 @@ def test_bootstrap_warns_when_an_intact_world_has_other_backends(caplog):
     ({"gpus": 10**6}, r"gpus=1000000, but this machine shows \d+ GPU"),
     ({"timeout": 0}, "timeout must be a positive number"),
     ({"mpiexec_args": ("-n", 2)}, "mpiexec_args must be strings"),
+    ({"mpiexec_args": None}, "mpiexec_args must be strings"),
+    ({"mpiexec_args": (a for a in ("-v", 3))}, "mpiexec_args must be strings"),  # a generator, read once
 ])
 def test_bad_arguments_are_refused_before_anything_starts(kwargs, message, monkeypatch):
     """Each used to start a scheduler and an MPI job first, then fail with a worker's traceback, or start

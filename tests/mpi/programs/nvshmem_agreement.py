@@ -279,6 +279,22 @@ def bring_up_raising_on_last():
 case("bring-up: NVSHMEM's init raises on one rank", bring_up_raising_on_last)
 
 
+def bring_up_again_after_init_raised():
+    """NVSHMEM stays initialized where its init came up: a second bring-up in these processes would init it
+    again, waiting for PEs that are not in it. Every rank refuses, before NVSHMEM's init."""
+    from dask_pgas.engines import nvshmem as engine_module
+
+    assert engine_module._left_up_by, "the failed bring-up was not recorded"
+    try:
+        initialize()
+    finally:
+        engine_module._left_up_by = None  # (the fake's NVSHMEM has no state: the next cases may bring it up)
+        assert not dask_pgas.is_initialized()
+
+
+case("bring-up: again after NVSHMEM's init raised", bring_up_again_after_init_raised)
+
+
 def bring_up_with_device_on_last():
     """``device_id`` given on the last rank only (the others pick theirs): no rank skips a collective step."""
     dask_pgas.initialize(0 if RANK == LAST else None, COMM, backends=["nvshmem"])
