@@ -152,9 +152,10 @@ def floor_seconds(client, x, repeats: int) -> dict:
 
 def scenario(client, name: str, shape, chunks_in, chunks_out, methods, repeats, check=True, rounds=1,
              floor=False, bare=False) -> dict:
-    """Forward and back times of every method. With ``rounds`` > 1 the methods take turns (pgas, tasks, p2p,
-    pgas, ...) so a box that slows down or speeds up mid-run weighs on all of them alike; each figure is then
-    the median of the rounds' medians. With ``floor``, each round also measures :func:`floor_seconds`; with
+    """Forward and back times of every method. With ``rounds`` > 1 the methods take turns (pgas, tasks, p2p;
+    tasks, p2p, pgas; p2p, pgas, tasks; ...) so a box that slows down or speeds up mid-run, and what one method
+    leaves behind for the next, weigh on all of them alike; each figure is then the median of the rounds'
+    medians. With ``floor``, each round also measures :func:`floor_seconds`; with
     ``bare`` (S1's slabs), each round also times the exchange bare on the workers (:func:`bare_exchange_seconds`)."""
     import dask.array as da
     import numpy as np
@@ -172,7 +173,9 @@ def scenario(client, name: str, shape, chunks_in, chunks_out, methods, repeats, 
             floors.append(floor_seconds(client, x, repeats))
         if bare:
             bares.append(bare_exchange_seconds(client, shape[0], repeats))
-        for method in methods:
+        # each round starts with the next method: whatever a method leaves on the workers (p2p's shuffle
+        # cleanup slows the next rechunk by 10-30 ms here) falls on every method in turn, not always on the same
+        for method in methods[i % len(methods):] + methods[:i % len(methods)]:
             if f"{method}_error" in row:
                 continue
             try:
