@@ -184,13 +184,20 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         return sorted(names)
 
     async def _call(self, workers, op: str, timeout: float | None = None, **kwargs) -> dict[str, Any]:
-        async def one(addr):
-            return await self.scheduler.rpc(addr).__getattr__(op)(**kwargs)
-
-        results = await asyncio.wait_for(
-            asyncio.gather(*(one(w) for w in workers), return_exceptions=True), timeout
-        )
-        return dict(zip(workers, results))
+        """Each worker's reply to ``op``, or the exception it raised; a worker that has not answered within
+        ``timeout`` gets a ``TimeoutError`` (the others' replies are kept, and the call itself never raises for
+        it: a bare timeout reached the client as "the scheduler does not answer")."""
+        tasks = {w: asyncio.ensure_future(self.scheduler.rpc(w).__getattr__(op)(**kwargs)) for w in workers}
+        pending = set()
+        if tasks:
+            _, pending = await asyncio.wait(tasks.values(), timeout=timeout)
+            for task in pending:
+                task.cancel()
+        return {
+            w: TimeoutError(f"{w} did not answer {op} within {timeout:g}s") if task in pending
+            else task.exception() or task.result()
+            for w, task in tasks.items()
+        }
 
     #: seconds bootstrap waits for ranks of the workers' MPI job that have not registered yet
     RANKS_GRACE = 10.0
@@ -212,12 +219,11 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             loop = asyncio.get_running_loop()
             grace = loop.time() + min(timeout, self.RANKS_GRACE)
             while True:
-                try:
-                    infos = await self._call(workers, "pgas_info", timeout=timeout)
-                except asyncio.TimeoutError:
+                infos = await self._call(workers, "pgas_info", timeout=timeout)
+                bad = {w: i for w, i in infos.items() if isinstance(i, BaseException)}
+                if any(isinstance(i, TimeoutError) for i in bad.values()):
                     return {"status": "error", "message": f"the workers did not describe themselves within the "
                             f"bootstrap timeout ({timeout}s)"}
-                bad = {w: i for w, i in infos.items() if isinstance(i, BaseException)}
                 if bad:
                     w, exc = next(iter(bad.items()))
                     return {"status": "error",
@@ -328,7 +334,9 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                         ]
                         out = await asyncio.wait_for(asyncio.gather(*coros, return_exceptions=True), timeout)
                         res = dict(zip(order, out))
-            except asyncio.TimeoutError:
+            except asyncio.TimeoutError:  # (the unique-id path's own waits)
+                res = None
+            if res is None or any(isinstance(r, TimeoutError) for r in res.values()):
                 self.world, self.broken = tuple(order), f"bootstrap of world #{epoch} timed out after {timeout}s"
                 return {"status": "error", "message": self.broken}
             errors = {w: r for w, r in res.items() if isinstance(r, BaseException) or r["status"] != "OK"}
@@ -392,11 +400,10 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             # meanwhile gets a clear error instead of a run on PEs that are tearing down
             self.world = ()
             self.backends = ()
-            try:
-                res = await self._call(members, "pgas_teardown", timeout=self.TEARDOWN_TIMEOUT, force=bool(broken))
-            except asyncio.TimeoutError:  # (a bare timeout reached the client as "the scheduler does not answer")
-                return {"status": "error", "message": f"the members {members} did not finish tearing the world "
-                        f"down within {self.TEARDOWN_TIMEOUT:g} s; the world is dropped. dask_pgas.bootstrap(client) "
+            res = await self._call(members, "pgas_teardown", timeout=self.TEARDOWN_TIMEOUT, force=bool(broken))
+            if late := [w for w, r in res.items() if isinstance(r, TimeoutError)]:
+                return {"status": "error", "message": f"the members {late} did not finish tearing the world down "
+                        f"within {self.TEARDOWN_TIMEOUT:g} s; the world is dropped. dask_pgas.bootstrap(client) "
                         "builds a new one (members still inside the old one refuse it: then restart the cluster)"}
             errors = {w: r for w, r in res.items() if isinstance(r, BaseException) or r["status"] != "OK"}
             if errors:

@@ -169,6 +169,25 @@ def test_a_broken_world_that_cannot_be_torn_down_is_not_replaced():
     assert not [c for c in sched.calls if c[1] == "pgas_init"]
 
 
+def test_a_call_to_the_members_keeps_the_replies_and_times_out_only_the_late_ones():
+    """A member that does not answer in time made the whole call raise a bare TimeoutError, losing the others'
+    replies; where a caller did not catch it (world(detail=True), teardown's check of a broken world, a
+    bootstrap's teardown of the old world) the client read it as "the scheduler does not answer"."""
+
+    async def info(addr):
+        await asyncio.sleep(5 if addr == "w1" else 0)
+        return _info(addr, int(addr[1:]), 2)
+
+    async def main():
+        plugin, sched = await _plugin(["w0", "w1"])
+        sched.rpc = _fake_rpc(sched, {"pgas_info": info})
+        return await plugin._call(["w0", "w1"], "pgas_info", timeout=0.2)
+
+    replies = asyncio.run(main())
+    assert replies["w0"]["mpi_rank"] == 0
+    assert isinstance(replies["w1"], TimeoutError) and "w1 did not answer pgas_info within 0.2s" in str(replies["w1"])
+
+
 def test_a_teardown_that_times_out_on_a_member_says_so():
     """A member that does not finish its teardown: the scheduler's timeout reached the client as a bare
     TimeoutError, read there as "the scheduler does not answer"; it is the scheduler's answer now."""
