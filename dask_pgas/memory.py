@@ -204,7 +204,6 @@ def allocate_symmetric_memory(
         try:
             base_shape = dims if axes is None else tuple(dims[a] for a in axes)
             array = engine.as_array(allocation, base_shape, dtype, pkg, order)
-            keeper = getattr(array, "_dask_pgas_keeper", array)
             if axes is not None:  # each base axis back to its place: the inverse permutation
                 back = tuple(int(a) for a in np.argsort(axes))
                 base, array = array, array.permute(*back) if pkg == "torch" else array.transpose(back)
@@ -216,16 +215,19 @@ def allocate_symmetric_memory(
         if bad := control.agree(error):
             engine.free(allocation)
             raise SymmetricMemoryError(f"rank {bad[0][0]}: {bad[0][1]}")
-        _register(engine, allocation, array, desc, keeper)
+        _register(engine, allocation, array, desc)
     log.debug("allocated symmetric %s (%d bytes on every rank)", desc, allocation.nbytes)
     return array
 
 
-def _register(engine: Engine, allocation: Allocation, array: Any, desc: str, keeper: Any = None) -> None:
-    """Record a new allocation. ``keeper`` lives as long as anything references the memory: the array itself for
-    NumPy and CuPy (a view keeps its base array), for torch the object its storage holds (a view keeps only the
-    storage: the tensor returned can die while a slice of it is in use)."""
-    keeper = array if keeper is None else keeper
+def _register(engine: Engine, allocation: Allocation, array: Any, desc: str) -> None:
+    """Record a new allocation. Its keeper lives as long as anything references the memory: for NumPy and CuPy
+    the array the engine made (every view keeps that base), for torch the object its storage holds, which the
+    engine notes on the tensor (a view keeps only the storage: the tensor returned can die while a slice of it
+    is in use)."""
+    keeper = getattr(array, "_dask_pgas_keeper", None)
+    if keeper is None:
+        *_, keeper = _chain(array)
     seq = next(_seq)
     rec = _Record(seq, _control_plane().number("allocation"), engine, allocation, weakref.ref(array), desc,
                   weakref.ref(keeper), _caller())
@@ -414,8 +416,7 @@ def _allocate_internal(engine: Engine, padded_nbytes: int, shape: Sequence[int],
         except BaseException:  # the arguments are the same on every rank (a spec all agreed on): so is this
             engine.free(allocation)
             raise
-        _register(engine, allocation, array, f"{package} {dims} {to_numpy_dtype(dtype)}",
-                  getattr(array, "_dask_pgas_keeper", array))
+        _register(engine, allocation, array, f"{package} {dims} {to_numpy_dtype(dtype)}")
     return array
 
 

@@ -209,13 +209,17 @@ def test_memory_in_use_follows_the_keeper_not_the_array_returned():
     class Keeper:
         pass
 
+    class Noted(np.ndarray):  # takes the attribute the GPU engine notes on its torch tensors
+        pass
+
     dask_pgas.initialize(None, MPI.COMM_SELF, ["mpi"])
     try:
         engine = get_engine("mpi")
         keeper = Keeper()
         allocation = engine.allocate(64)
-        array = engine.as_array(allocation, (8,), "float64", "numpy")
-        memory._register(engine, allocation, array, "test", keeper)  # (finalize frees it)
+        array = engine.as_array(allocation, (8,), "float64", "numpy").view(Noted)
+        array._dask_pgas_keeper = keeper
+        memory._register(engine, allocation, array, "test")  # (finalize frees it)
         del array
         gc.collect()
         assert memory._in_use() is not None  # the keeper (the storage) is alive: in use
