@@ -103,7 +103,7 @@ def bootstrap(client=None, *, backends=None, timeout=None) -> World:
     client = _client(client, "bootstrap")
     client.register_plugin(PGASSchedulerPlugin())
     client.register_plugin(PGASWorkerPlugin())
-    result = client.sync(client.scheduler.pgas_bootstrap, backends=backends, timeout=timeout)
+    result = _ask(client, "pgas_bootstrap", backends=backends, timeout=timeout)
     if result["status"] != "OK":
         raise PGASWorldError(f"dask_pgas.bootstrap failed: {result['message']}")
     if result.get("warning"):
@@ -137,11 +137,17 @@ def scheduler_world(client, **kwargs: Any) -> dict | None:
         if not has:
             return None
         _SCHEDULERS_WITH_PLUGIN.add(address)
-    try:
-        d = client.sync(client.scheduler.pgas_world, **kwargs)
-    except (OSError, TimeoutError) as exc:  # (CommClosedError is an OSError): not "no world"
-        raise PGASWorldError(f"the scheduler at {address} does not answer ({exc!r})") from None
+    d = _ask(client, "pgas_world", **kwargs)
     return d if isinstance(d, dict) else None  # (a scheduler without the handler answers None)
+
+
+def _ask(client, handler: str, **kwargs: Any) -> Any:
+    """The scheduler plugin's answer to ``handler``; a scheduler that does not answer (a comm failure or
+    timeout: not "no world") raises :class:`PGASWorldError` naming it."""
+    try:
+        return client.sync(getattr(client.scheduler, handler), **kwargs)
+    except (OSError, TimeoutError) as exc:  # (CommClosedError is an OSError)
+        raise PGASWorldError(f"the scheduler at {client.scheduler.address} does not answer ({exc!r})") from None
 
 
 def world(client=None, *, detail: bool = False) -> World | None:
@@ -167,10 +173,9 @@ def teardown(client=None) -> dict[str, int]:
     if scheduler_world(client) is None:
         raise PGASWorldError("no PGAS world to tear down: dask_pgas.bootstrap(client) never ran on this cluster")
     try:
-        result = client.sync(client.scheduler.pgas_teardown)
-    except (OSError, TimeoutError) as exc:  # (CommClosedError is an OSError): the world may be there still
-        raise PGASWorldError(f"the scheduler at {client.scheduler.address} does not answer ({exc!r}); the "
-                             "world was not torn down") from None
+        result = _ask(client, "pgas_teardown")
+    except PGASWorldError as exc:  # the world may be there still
+        raise PGASWorldError(f"{exc}; the world was not torn down") from None
     except Exception as exc:
         raise PGASWorldError(f"no PGAS world to tear down ({exc}); call dask_pgas.bootstrap(client)") from None
     if result["status"] != "OK":
