@@ -26,11 +26,12 @@ def main(argv: list[str] | None = None) -> None:
 
     from distributed import Worker
 
-    from ._worker_plugin import EVERY_RANK_A_WORKER
+    from . import _worker_plugin
 
     # every rank of this job is a worker (dask-mpi's jobs keep ranks 0 and 1 for the scheduler and the client):
-    # bootstrap waits for all of them after a restart of the job
-    os.environ[EVERY_RANK_A_WORKER] = "1"
+    # bootstrap waits for all of them after a restart of the job. (A module flag, not an environment variable:
+    # processes that tasks start are no ranks of this job.)
+    _worker_plugin.every_rank_a_worker = True
     gpus = int(os.environ.get("DASK_PGAS_BIND_GPUS", "0") or 0)
     if gpus:  # one GPU per worker, chosen by node-local rank, before anything starts CUDA
         local = int(os.environ.get("MPI_LOCALRANKID", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))

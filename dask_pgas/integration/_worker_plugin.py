@@ -45,9 +45,9 @@ logger = logging.getLogger("dask_pgas.integration")
 
 PLUGIN_NAME = "dask-pgas"
 
-#: set (to "1") in the processes of a worker job whose every rank is a worker (LocalMPICluster's); elsewhere the
-#: job is taken for dask-mpi's, whose ranks 0 and 1 are the scheduler and the client
-EVERY_RANK_A_WORKER = "DASK_PGAS_EVERY_RANK_A_WORKER"
+#: True in the processes of a worker job whose every rank is a worker (LocalMPICluster's, set by _worker_main);
+#: otherwise the job is taken for dask-mpi's, whose ranks 0 and 1 are the scheduler and the client
+every_rank_a_worker = False
 
 
 @dataclass(frozen=True)
@@ -414,7 +414,7 @@ class PGASWorkerPlugin(WorkerPlugin):
             "process": _process_of(self.worker),
             "mpi_rank": rank,
             "mpi_size": size,
-            "non_worker_ranks": [] if os.environ.get(EVERY_RANK_A_WORKER) == "1" else [0, 1],
+            "non_worker_ranks": [] if every_rank_a_worker else [0, 1],
             "nanny_in_mpi_job": nanny_in_mpi_job,
             "available": available,
             "initialized": runtime.is_initialized(),
@@ -839,7 +839,6 @@ def refuse_unmovable(arrays: tuple, dtype: Any, package: str) -> None:
     """Raise for chunks a pgas rechunk would change while moving them (or cannot move), before any data moves.
 
     - Chunks that are not arrays of the array's ``package`` (its ``_meta``'s: NumPy or CuPy).
-
     - Masked arrays under a plain ``_meta`` (Dask's default for ``from_delayed`` or ``map_blocks``): the
       collective and the local copies move data, not masks. (A masked ``_meta`` makes ``rechunk`` follow
       ``pgas.fallback`` before any task runs.)
