@@ -47,17 +47,26 @@ def _bare_exchanges(n: int, repeats: int) -> dict[str, list[float]]:
     p, r = comm.size, comm.rank
     bounds = [n * i // p for i in range(p + 1)]
     width = bounds[r + 1] - bounds[r]
-    src = np.random.default_rng(r).random((n, width))
-    out = {"alltoallw": np.zeros((width, n)), "engine": np.zeros((width, n))}
-    stypes, rtypes = [], []
-    for j in range(p):
-        hj = bounds[j + 1] - bounds[j]
-        stypes.append(MPI.DOUBLE.Create_subarray([n, width], [hj, width], [bounds[j], 0]).Commit())
-        rtypes.append(MPI.DOUBLE.Create_subarray([width, n], [width, hj], [0, bounds[j]]).Commit())
+    stypes, rtypes, plan, error = [], [], None, None
+    try:  # local set-up (MemoryError, say), agreed on below: no rank may wait alone in the first Barrier
+        src = np.random.default_rng(r).random((n, width))
+        out = {"alltoallw": np.zeros((width, n)), "engine": np.zeros((width, n))}
+        for j in range(p):
+            hj = bounds[j + 1] - bounds[j]
+            stypes.append(MPI.DOUBLE.Create_subarray([n, width], [hj, width], [bounds[j], 0]).Commit())
+            rtypes.append(MPI.DOUBLE.Create_subarray([width, n], [width, hj], [0, bounds[j]]).Commit())
+        spec = ReshapeSpec(tuple(Box((0, bounds[j]), (n, bounds[j + 1])) for j in range(p)),
+                           tuple(Box((bounds[j], 0), (bounds[j + 1], n)) for j in range(p)), np.dtype("f8"), "C", r)
+        plan = engine.plan_reshape(spec)  # (local on the MPI engine)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    if bad := engine.control.agree(error):
+        if plan is not None:
+            plan.free()  # (local on the MPI engine)
+        for t in stypes + rtypes:
+            t.Free()
+        raise RuntimeError(f"the bare exchanges cannot start on PE {bad[0][0]}: {bad[0][1]}")
     ones, zeros = [1] * p, [0] * p
-    spec = ReshapeSpec(tuple(Box((0, bounds[j]), (n, bounds[j + 1])) for j in range(p)),
-                       tuple(Box((bounds[j], 0), (bounds[j + 1], n)) for j in range(p)), np.dtype("f8"), "C", r)
-    plan = engine.plan_reshape(spec)
     calls = {
         "alltoallw": lambda: comm.Alltoallw([src, (ones, zeros), stypes], [out["alltoallw"], (ones, zeros), rtypes]),
         "engine": lambda: plan.execute(src, out["engine"]),
