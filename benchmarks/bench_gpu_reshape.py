@@ -3,7 +3,9 @@
 Prints, from the same run: ``Reshape.execute()`` (the public API, including its result allocation and free),
 the bare cuFFTMp reshape through the binding (``nvshmemx_sync_all_on_stream`` + ``cufftMpExecReshapeAsync``) on
 the same boxes, and a device-to-device copy of this PE's bytes. CUDA events, median of ``--repeat`` after
-``--warmup``; GB/s = global payload bytes / the slowest PE's time. One JSON line ``BENCH {...}`` on rank 0.
+``--warmup``; GB/s = global payload bytes / the slowest PE's time. One JSON line ``BENCH {...}`` on rank 0,
+with ``api_ok`` / ``bare_ok``: whether each path's result equals each PE's output box of the global array
+(element (i, j) holds i * n + j); the run fails when one does not.
 
     mpirun -n P python benchmarks/bench_gpu_reshape.py [--n 8192] [--repeat 10]
 """
@@ -32,6 +34,14 @@ from dask_pgas.reshape import Reshape
 
 def slabs(n: int, p: int, axis: int) -> list[Box]:
     return [Slab(axis).box(r, p, (n, n)) for r in range(p)]
+
+
+def global_indices(box: Box, n: int):
+    """The ``box`` section of the n x n array whose element (i, j) holds its flat index ``i * n + j``
+    (exact in float64 up to n = 2**26)."""
+    rows = cp.arange(box.lower[0], box.upper[0], dtype=cp.float64)[:, None]
+    cols = cp.arange(box.lower[1], box.upper[1], dtype=cp.float64)[None, :]
+    return rows * n + cols
 
 
 def timed(fn, stream, warmup: int, repeat: int, after=None) -> float:
@@ -74,7 +84,7 @@ def main() -> None:
     ins, outs = slabs(n, p, 1), slabs(n, p, 0)
     stream = cp.cuda.Stream(non_blocking=True)
     src = dask_pgas.allocate_symmetric_memory(ins[rank].box_shape, cp, dtype=dtype, make_symmetric=True)
-    src[...] = cp.arange(src.size, dtype=dtype).reshape(src.shape)
+    src[...] = global_indices(ins[rank], n)  # every PE's values differ: a misplaced piece shows
     cp.cuda.Device().synchronize()
 
     # 1. the public API
@@ -104,12 +114,14 @@ def main() -> None:
         cf.execute(h, buf_out, buf_in, 0, sh)
 
     t_bare = timed(bare, stream, args.warmup, args.repeat)
-    # correctness of the bare path against the API result
+    # both results against the reference: this PE's output box of the global array
     out = r.execute(stream=stream)
     stream.synchronize()
+    expected = global_indices(outs[rank], n)
+    api_ok = bool(cp.array_equal(out, expected))
     check = cp.empty_like(out)
     cp.cuda.runtime.memcpy(check.data.ptr, buf_out, out.nbytes, 3)
-    bare_ok = bool(cp.array_equal(check, out))
+    bare_ok = bool(cp.array_equal(check, expected))
     dask_pgas.free_symmetric_memory(out)
 
     # 3. device-to-device copy of this PE's bytes
@@ -126,18 +138,21 @@ def main() -> None:
     r.free()
     dask_pgas.free_symmetric_memory(src)
     worst = [comm.allreduce(float(t), op=MPI.MAX) for t in (t_api, t_bare, t_copy)]
-    ok = comm.allreduce(bare_ok, op=MPI.LAND)
+    api_ok, bare_ok = (comm.allreduce(ok, op=MPI.LAND) for ok in (api_ok, bare_ok))
     total = n * n * 8
     if rank == 0:
         t_api, t_bare, t_copy = (float(x) for x in worst)
         row = dict(
             pes=p, n=n, mode=mode, status=engine.status, api_ms=round(t_api, 4), bare_ms=round(t_bare, 4),
             copy_ms=round(t_copy, 4), api_GBps=round(total / t_api / 1e6, 1), bare_GBps=round(total / t_bare / 1e6, 1),
-            copy_GBps=round(total / t_copy / 1e6, 1), api_vs_bare=round(t_bare / t_api, 3), bare_matches_api=ok,
+            copy_GBps=round(total / t_copy / 1e6, 1), api_vs_bare=round(t_bare / t_api, 3),
+            api_ok=api_ok, bare_ok=bare_ok,
             mps=bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")), repeat=args.repeat,
         )
         print("BENCH " + json.dumps(row), flush=True)
     dask_pgas.finalize()
+    if not (api_ok and bare_ok):  # (the same verdict on every PE: a failing step, not a hang)
+        raise SystemExit(f"PE {rank}: a result differs from the reference (api_ok={api_ok}, bare_ok={bare_ok})")
 
 
 if __name__ == "__main__":

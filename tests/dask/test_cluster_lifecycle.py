@@ -5,6 +5,7 @@ let through (a mutation review)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -90,12 +91,12 @@ def test_worker_ranks_watch_the_launcher_themselves():
 
     program = ("import json, sys, time, dask_pgas\n"
                "c = dask_pgas.LocalMPICluster(n_workers=2, bootstrap=False)\n"
-               "print(json.dumps([c._scheduler.pid, c.worker_pids()]), flush=True)\n"
+               "print(json.dumps([c._scheduler.pid, c.worker_pids(), c._dir]), flush=True)\n"
                "time.sleep(300)\n")
     driver = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
-    scheduler = None
+    scheduler = directory = None
     try:
-        scheduler, ranks = json.loads(driver.stdout.readline())
+        scheduler, ranks, directory = json.loads(driver.stdout.readline())
         os.kill(scheduler, signal.SIGSTOP)
         driver.kill()
         driver.wait(30)
@@ -108,6 +109,8 @@ def test_worker_ranks_watch_the_launcher_themselves():
         driver.wait()
         if scheduler is not None:
             os.kill(scheduler, signal.SIGKILL)
+        if directory is not None:  # (the stopped scheduler, which would have removed it, is killed here)
+            shutil.rmtree(directory, ignore_errors=True)
     for p in left:
         os.kill(p, signal.SIGKILL)
     assert not left, f"worker ranks {left} outlived their launcher"
