@@ -231,10 +231,12 @@ class LocalMPICluster:
         mpiexec_args: extra arguments for ``mpiexec`` before ``-n``: a sequence of strings, or one string split
             as a shell would (``"--bind-to none"``).
         env: environment variables for the scheduler and the workers (strings), over this process's.
-        timeout: seconds to wait for the scheduler, the workers and the bootstrap.
+        timeout: seconds to wait for the scheduler and the workers (the bootstrap waits config
+            ``pgas.bootstrap-timeout``).
         restart_workers: start a new worker job when the running one ends (a rank died): MPI takes the whole
             job down; the world then must be bootstrapped again.
-        gpus: one worker per GPU, worker ``k`` seeing GPU ``k mod gpus`` as its device 0; 0 for CPU workers.
+        gpus: one worker per GPU, worker ``k`` seeing GPU ``k mod gpus`` as its device 0 (of this process's
+            ``CUDA_VISIBLE_DEVICES`` when set: entry ``k mod gpus`` of it); 0 for CPU workers.
     """
 
     def __init__(

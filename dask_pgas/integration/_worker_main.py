@@ -16,6 +16,15 @@ import os
 import sys
 
 
+def worker_gpu(local_rank: int, gpus: int, visible: str | None) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` of the worker of this node-local rank: entry ``local_rank mod gpus`` of the
+    launcher's own mask when it has one (``"2,3"``, UUIDs), so that a mask narrows the GPUs instead of being
+    replaced; GPU ``local_rank mod gpus`` otherwise."""
+    entries = [e.strip() for e in (visible or "").split(",") if e.strip()]
+    k = local_rank % gpus
+    return entries[k] if k < len(entries) else str(k)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--scheduler-file", required=True)
@@ -35,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     gpus = int(os.environ.get("DASK_PGAS_BIND_GPUS", "0") or 0)
     if gpus:  # one GPU per worker, chosen by node-local rank, before anything starts CUDA
         local = int(os.environ.get("MPI_LOCALRANKID", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(local % gpus)
+        os.environ["CUDA_VISIBLE_DEVICES"] = worker_gpu(local, gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     from mpi4py import MPI  # initializes MPI in this (main) thread
 

@@ -162,3 +162,20 @@ def test_teardown_that_loses_the_scheduler_does_not_say_there_is_no_world():
     with pytest.raises(PGASWorldError, match=r"does not answer .*the world was not torn down") as info:
         teardown(client)
     assert "no PGAS world" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "local, gpus, visible, expected",
+    [
+        (0, 2, None, "0"), (3, 2, None, "1"), (1, 2, "", "1"),  # no mask: GPU k mod gpus
+        (0, 2, "2,3", "2"), (3, 2, "2,3", "3"), (1, 1, "5", "5"),  # within the launcher's own mask
+        (1, 2, "GPU-aaaa, GPU-bbbb", "GPU-bbbb"),  # UUIDs, spaces around them
+        (2, 3, "4,5", "2"),  # (a mask shorter than gpus: LocalMPICluster refuses it before starting)
+    ],
+)
+def test_gpu_workers_pick_their_gpu_within_the_launcher_s_mask(local, gpus, visible, expected):
+    """LocalMPICluster(gpus=N) replaced the caller's CUDA_VISIBLE_DEVICES: under "2,3" its workers took GPUs 0
+    and 1 (a docs review)."""
+    from dask_pgas.integration._worker_main import worker_gpu
+
+    assert worker_gpu(local, gpus, visible) == expected
