@@ -387,7 +387,10 @@ class LocalMPICluster:
     def _wait_for_workers(self, client, timeout: float) -> None:
         """Wait for ``n_workers`` workers; fail at once, quoting its output, if the worker job (or the scheduler)
         exits first (a bad ``mpiexec_args`` or ``memory_limit``)."""
-        from distributed.exceptions import WorkerStartTimeoutError
+        try:
+            from distributed.exceptions import WorkerStartTimeoutError
+        except ImportError:  # distributed < 2025.10 raises its (asyncio) TimeoutError
+            from distributed import TimeoutError as WorkerStartTimeoutError
 
         deadline = time.monotonic() + timeout
         while True:

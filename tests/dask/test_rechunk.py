@@ -518,11 +518,22 @@ def test_unsupported_cases_follow_fallback(client):
 
 
 _EXPR_SCRIPT = """
-import dask, dask.array as da, numpy as np, pytest
+import sys
+try:
+    import dask, dask.array as da, numpy as np, pytest
+except ImportError as e:  # dask < 2025.2 took array-expression mode from the separate dask-expr package
+    if "dask_expr" in str(e):
+        print("EXPR-UNAVAILABLE")
+        sys.exit(0)
+    raise
 import dask_pgas
 from dask_pgas.integration import PGASRechunkUnsupported
-assert da.array_expr_enabled()
-x = da.from_array(np.arange(64.0).reshape(8, 8), chunks=(8, 2))
+assert dask_pgas.integration.array_expr_mode()  # (da.array_expr_enabled() is dask >= 2025.5)
+try:
+    x = da.from_array(np.arange(64.0).reshape(8, 8), chunks=(8, 2))
+except NotImplementedError:  # dask 2025.2's array expressions lack from_array
+    print("EXPR-UNAVAILABLE")
+    sys.exit(0)
 with pytest.raises(PGASRechunkUnsupported, match="DASK_ARRAY__QUERY_PLANNING=False") as info:
     dask_pgas.rechunk(x, (2, 8))
 assert "before dask.array is first imported" in str(info.value)
@@ -548,6 +559,8 @@ def test_array_expression_mode_is_refused():
     env = {**os.environ, "DASK_ARRAY__QUERY_PLANNING": "True"}
     result = subprocess.run([sys.executable, "-c", _EXPR_SCRIPT], env=env, capture_output=True, text=True,
                             timeout=120)
+    if "EXPR-UNAVAILABLE" in result.stdout:
+        pytest.skip("this dask has no usable array-expression mode (dask < 2025.3)")
     assert result.returncode == 0 and "EXPR-OK" in result.stdout, result.stdout + result.stderr
 
 
