@@ -25,6 +25,7 @@ import json
 import logging
 import operator
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -33,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -54,16 +56,45 @@ def _mpiexec() -> str:
     return found
 
 
-def _launcher_kind(mpiexec: str) -> str:
-    """``"openmpi"``, ``"mpich"`` (hydra) or ``""`` (unknown), from ``mpiexec --version``."""
+def _launcher(mpiexec: str) -> tuple[str, int | None]:
+    """``("openmpi" | "mpich" | "", major version or None)`` from ``mpiexec --version`` (hydra prints
+    ``Version: 5.0.2``, Open MPI ``mpiexec (Open MPI) 5.0.3`` or ``(OpenRTE) 4.1.6``)."""
     try:
         version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30,
                                  stdin=subprocess.DEVNULL).stdout
     except (OSError, subprocess.SubprocessError):
-        return ""
+        return "", None
     if "Open MPI" in version or "OpenRTE" in version:
-        return "openmpi"
-    return "mpich" if "HYDRA" in version else ""
+        kind, found = "openmpi", re.search(r"\((?:Open MPI|OpenRTE)\)\s*(\d+)\.", version)
+    elif "HYDRA" in version:
+        kind, found = "mpich", re.search(r"^\s*Version:\s*(\d+)\.", version, re.M)
+    else:
+        return "", None
+    return kind, int(found.group(1)) if found else None
+
+
+def _launcher_kind(mpiexec: str) -> str:
+    """``"openmpi"``, ``"mpich"`` (hydra) or ``""`` (unknown), from ``mpiexec --version``."""
+    return _launcher(mpiexec)[0]
+
+
+def _oversubscription_warning(launcher: tuple[str, int | None], n_workers: int, cores: int) -> str | None:
+    """Why ``n_workers`` ranks will crawl on ``cores`` cores with this launcher's MPI, or None: MPICH before 5.0
+    spins in every wait, so ranks beyond the cores starve the ones with work (a 512 MiB ``Alltoall`` on 4 ranks
+    of 2 cores: 668 ms with MPICH 4.2.3, 36 ms with 5.0.2)."""
+    kind, major = launcher
+    if kind != "mpich" or major is None or major >= 5 or n_workers <= cores:
+        return None
+    return (f"LocalMPICluster: {n_workers} workers on {cores} core{'s' if cores != 1 else ''} with MPICH {major}.x, "
+            "whose ranks spin while they wait: collectives will run many times slower than with one worker per "
+            f"core; use at most {cores} workers, or MPICH 5 or later (pip install 'mpich>=5')")
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # (not Linux)
+        return os.cpu_count() or 1
 
 
 def _launcher_env(mpiexec: str, env: dict[str, str]) -> dict[str, str]:
@@ -302,6 +333,9 @@ class LocalMPICluster:
             self._wait_for_file(timeout)
             mpiexec = _mpiexec()
             self._worker_env = _launcher_env(mpiexec, self._env)
+            slow = _oversubscription_warning(_launcher(mpiexec), n_workers, _cores())
+            if slow:
+                warnings.warn(slow, RuntimeWarning, stacklevel=2)
             self._worker_cmd = [
                 mpiexec, *mpiexec_args, "-n", str(n_workers), sys.executable,
                 "-m", "dask_pgas.integration._worker_main", "--scheduler-file", self.scheduler_file,

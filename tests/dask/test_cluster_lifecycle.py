@@ -140,3 +140,12 @@ def test_a_restarted_worker_job_that_dies_too_leaves_no_shared_memory_files():
             assert not left, f"job {restarts - 1}'s files outlived it: {left}"
             while cluster._workers.pid not in cluster._shm and time.monotonic() < deadline:  # noted by the watcher
                 time.sleep(0.1)
+
+
+def test_more_workers_than_cores_under_mpich_4_warns_at_the_caller(monkeypatch):
+    monkeypatch.setattr(_cluster, "_launcher", lambda mpiexec: ("mpich", 4))
+    monkeypatch.setattr(_cluster, "_cores", lambda: 1)
+    with pytest.warns(RuntimeWarning, match="2 workers on 1 core with MPICH 4.x") as caught:
+        cluster = dask_pgas.LocalMPICluster(n_workers=2, bootstrap=False)
+    cluster.close()
+    assert caught[0].filename == __file__
