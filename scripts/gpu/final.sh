@@ -143,8 +143,8 @@ job_dask() {
   grep -h "passed\|failed" "$OUT"/dask[0-9]*.log "$OUT"/dask-nanny*.log >>"$S" 2>/dev/null
 }
 job_failure() {
-  step "dask failure tests, 3 GPU workers (kill) and 2 (full heap)" 200 "$OUT/dask-failure.log" \
-    env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -rA -p no:cacheprovider tests/dask/test_failure.py
+  step "dask failure tests, 3 GPU workers (kill) and 2 (full heap)" 400 "$OUT/dask-failure.log" \
+    env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -rA -p no:cacheprovider --durations=8 tests/dask/test_failure.py
   grep -h "passed\|failed" "$OUT/dask-failure.log" >>"$S" 2>/dev/null
 }
 job_dask4() {
