@@ -39,6 +39,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from dask.system import CPU_COUNT  # (affinity and cgroup quotas counted)
 from distributed.core import Status
 
 from . import _orphan_guard
@@ -73,11 +74,6 @@ def _launcher(mpiexec: str) -> tuple[str, int | None]:
     return kind, int(found.group(1)) if found else None
 
 
-def _launcher_kind(mpiexec: str) -> str:
-    """``"openmpi"``, ``"mpich"`` (hydra) or ``""`` (unknown), from ``mpiexec --version``."""
-    return _launcher(mpiexec)[0]
-
-
 def _oversubscription_warning(launcher: tuple[str, int | None], n_workers: int, cores: int) -> str | None:
     """Why ``n_workers`` ranks will crawl on ``cores`` cores with this launcher's MPI, or None: MPICH before 5.0
     spins in every wait, so ranks beyond the cores starve the ones with work (a 512 MiB ``Alltoall`` on 4 ranks
@@ -90,15 +86,8 @@ def _oversubscription_warning(launcher: tuple[str, int | None], n_workers: int, 
             f"core; use at most {cores} workers, or MPICH 5 or later (pip install 'mpich>=5')")
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # (not Linux)
-        return os.cpu_count() or 1
-
-
-def _launcher_env(mpiexec: str, env: dict[str, str]) -> dict[str, str]:
-    """``env`` plus launcher defaults (the caller's own settings win).
+def _launcher_env(kind: str, env: dict[str, str]) -> dict[str, str]:
+    """``env`` plus the defaults of a launcher of this ``kind`` (:func:`_launcher`; the caller's own settings win).
 
     Open MPI's ``mpiexec`` binds each rank to ONE core when it starts two ranks or fewer (and to a socket
     otherwise). A Dask worker is several threads (event loop, task threads, the collective thread, CUDA's):
@@ -107,7 +96,7 @@ def _launcher_env(mpiexec: str, env: dict[str, str]) -> dict[str, str]:
     default.
     """
     env = dict(env)
-    if _launcher_kind(mpiexec) == "openmpi":
+    if kind == "openmpi":
         env.setdefault("OMPI_MCA_hwloc_base_binding_policy", "none")
     return env
 
@@ -332,8 +321,9 @@ class LocalMPICluster:
             )
             self._wait_for_file(timeout)
             mpiexec = _mpiexec()
-            self._worker_env = _launcher_env(mpiexec, self._env)
-            slow = _oversubscription_warning(_launcher(mpiexec), n_workers, _cores())
+            launcher = _launcher(mpiexec)
+            self._worker_env = _launcher_env(launcher[0], self._env)
+            slow = _oversubscription_warning(launcher, n_workers, CPU_COUNT)
             if slow:
                 warnings.warn(slow, RuntimeWarning, stacklevel=2)
             self._worker_cmd = [

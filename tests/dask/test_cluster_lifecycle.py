@@ -144,7 +144,7 @@ def test_a_restarted_worker_job_that_dies_too_leaves_no_shared_memory_files():
 
 def test_more_workers_than_cores_under_mpich_4_warns_at_the_caller(monkeypatch):
     monkeypatch.setattr(_cluster, "_launcher", lambda mpiexec: ("mpich", 4))
-    monkeypatch.setattr(_cluster, "_cores", lambda: 1)
+    monkeypatch.setattr(_cluster, "CPU_COUNT", 1)
     with pytest.warns(RuntimeWarning, match="2 workers on 1 core with MPICH 4.x") as caught:
         cluster = dask_pgas.LocalMPICluster(n_workers=2, bootstrap=False)
     cluster.close()

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("distributed")
 
-from dask_pgas.integration._cluster import _launcher_env
+from dask_pgas.integration._cluster import _launcher, _launcher_env
 
 KEY = "OMPI_MCA_hwloc_base_binding_policy"
 
@@ -23,25 +23,25 @@ def _fake_mpiexec(tmp_path, banner: str) -> str:
 
 def test_open_mpi_workers_are_not_bound(tmp_path):
     mpiexec = _fake_mpiexec(tmp_path, "mpiexec (OpenRTE) 4.1.6")
-    env = _launcher_env(mpiexec, {"A": "1"})
+    env = _launcher_env(_launcher(mpiexec)[0], {"A": "1"})
     assert env == {"A": "1", KEY: "none"}
 
 
 def test_user_binding_wins(tmp_path):
     mpiexec = _fake_mpiexec(tmp_path, "mpiexec (Open MPI) 5.0.3")
-    assert _launcher_env(mpiexec, {KEY: "core"})[KEY] == "core"
+    assert _launcher_env(_launcher(mpiexec)[0], {KEY: "core"})[KEY] == "core"
 
 
 def test_mpich_env_untouched(tmp_path):
     mpiexec = _fake_mpiexec(tmp_path, "HYDRA build details:")
-    assert _launcher_env(mpiexec, {"A": "1"}) == {"A": "1"}
+    assert _launcher_env(_launcher(mpiexec)[0], {"A": "1"}) == {"A": "1"}
 
 
 def test_real_launcher_env_is_a_copy():
     from dask_pgas.integration._cluster import _mpiexec
 
     env = {"A": "1"}
-    out = _launcher_env(_mpiexec(), env)
+    out = _launcher_env(_launcher(_mpiexec())[0], env)
     assert out is not env and out["A"] == "1" and env == {"A": "1"}
 
 
@@ -194,12 +194,7 @@ def test_gpu_workers_pick_their_gpu_within_the_launcher_s_mask(local, gpus, visi
     ],
 )
 def test_the_launcher_s_kind_and_major_version(tmp_path, banner, expected):
-    from dask_pgas.integration._cluster import _launcher
-
-    path = tmp_path / "mpiexec"
-    path.write_text(f"#!/bin/sh\ncat <<'END'\n{banner}\nEND\n")
-    path.chmod(path.stat().st_mode | stat.S_IEXEC)
-    assert _launcher(str(path)) == expected
+    assert _launcher(_fake_mpiexec(tmp_path, banner)) == expected
 
 
 def test_more_workers_than_cores_under_mpich_4_is_said_to_crawl():
