@@ -6,8 +6,9 @@ kernel) leaves no scheduler or worker behind holding memory or a GPU.
 
 MPICH keeps one named shared-memory file per job under ``/dev/shm`` until ``MPI_Finalize``; a rank that exits
 without finalizing (here, or killed) leaves it behind. :func:`mpi_shm_files` finds the ones a process has
-mapped, so that whoever ends the job can remove them. The scheduler, orphaned, also removes the cluster's
-temporary directory (``DASK_PGAS_CLUSTER_DIR``).
+mapped, so that whoever ends the job can remove them. Orphaned, the scheduler and the worker ranks also remove
+the cluster's temporary directory (the scheduler's ``DASK_PGAS_CLUSTER_DIR``, the workers' local directory),
+whichever of them is still able to: a scheduler that hangs leaves it to the ranks.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def watch_launcher(interval: float = 1.0, directory: str | None = None) -> None:
         # the launcher is gone: nobody will close this process, and MPI will not finalize
         remove_files(mpi_shm_files([os.getpid()]))
         if directory:
-            time.sleep(2 * interval)  # the worker ranks (watching too) are gone by then
+            time.sleep(2 * interval)  # the other processes of the cluster (watching too) are gone by then
             shutil.rmtree(directory, ignore_errors=True)
         os._exit(0)
 

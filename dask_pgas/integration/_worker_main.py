@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from ._orphan_guard import watch_launcher
 
-    watch_launcher()
+    watch_launcher(directory=args.local_directory)  # (LocalMPICluster's temporary directory)
 
     rank = MPI.COMM_WORLD.Get_rank()
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(name)s %(levelname)s: %(message)s")

@@ -86,7 +86,8 @@ def test_restart_workers_false_leaves_a_dead_worker_job_dead():
 
 def test_worker_ranks_watch_the_launcher_themselves():
     """The driver is killed while the scheduler cannot act on it (stopped here; busy or hung alike): the worker
-    ranks, watching the launcher PID themselves, exit all the same."""
+    ranks, watching the launcher PID themselves, exit all the same, and remove the cluster's temporary directory
+    (which only the scheduler removed: one was left in /tmp per run)."""
     import json
 
     program = ("import json, sys, time, dask_pgas\n"
@@ -101,19 +102,21 @@ def test_worker_ranks_watch_the_launcher_themselves():
         driver.kill()
         driver.wait(30)
         deadline = time.monotonic() + 15
-        while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+        while (any(_alive(p) for p in ranks) or os.path.exists(directory)) and time.monotonic() < deadline:
             time.sleep(0.2)
         left = [p for p in ranks if _alive(p)]
+        kept = os.path.exists(directory)
     finally:
         driver.kill()
         driver.wait()
         if scheduler is not None:
             os.kill(scheduler, signal.SIGKILL)
-        if directory is not None:  # (the stopped scheduler, which would have removed it, is killed here)
+        if directory is not None:  # (when the test failed before the ranks removed it)
             shutil.rmtree(directory, ignore_errors=True)
     for p in left:
         os.kill(p, signal.SIGKILL)
     assert not left, f"worker ranks {left} outlived their launcher"
+    assert not kept, f"the cluster's directory {directory} outlived it"
 
 
 def test_a_restarted_worker_job_that_dies_too_leaves_no_shared_memory_files():
