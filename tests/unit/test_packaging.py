@@ -22,8 +22,8 @@ def test_minimum_versions_are_the_lower_bounds():
         assert len(lower) == 1, f"{req}: one '>=' lower bound expected"
         bounds[req.name.lower()] = lower[0]
     with open(os.path.join(ROOT, ".ci", "minimum-versions.txt")) as f:
-        pins = dict(line.split("==") for line in (raw.split("#")[0].strip() for raw in f) if line)
-    pins = {name.strip().lower(): Version(v.strip()) for name, v in pins.items()}
+        pinned = [Requirement(line) for line in (raw.split("#")[0].strip() for raw in f) if line]
+    pins = {req.name.lower(): Version(next(iter(req.specifier)).version) for req in pinned}
     assert set(pins) == set(bounds), "minimum-versions.txt and pyproject.toml name different packages"
     for name, bound in bounds.items():
         # the pin is the bound itself, or the bound's release series at a later patch (numpy 1.26 -> 1.26.4)
