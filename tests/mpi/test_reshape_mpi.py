@@ -60,11 +60,7 @@ def test_bad_inputs_raise_the_same_error_on_every_rank(nranks, engine):
     _, outcomes = run_cases("bad_inputs.py", nranks, *_engine_args(engine), timeout=180)  # hangs fail; ranks agree
     # each case's class, pinned: a check that went missing would surface later, as another class (a Slab that
     # does not fit raised OperandMismatchError at execute() without its own check)
-    expected = dict(BAD_INPUTS)
-    if engine[0] == "nvshmem":  # (bad_inputs.py's mixed-memory case: a GPU operand off the heap on one rank)
-        del expected["symmetric operand on some ranks only"]
-        expected["GPU operand not on the symmetric heap"] = "SymmetricMemoryError"
-    assert {name: outcome["raised"] for name, outcome in outcomes.items()} == expected, outcomes
+    assert {name: outcome["raised"] for name, outcome in outcomes.items()} == BAD_INPUTS, outcomes
     assert all(outcome["message"].strip() for outcome in outcomes.values() if outcome["raised"] != "none")
     # the slab's rule, said as it is (it said "the first 0 ranks hold one index more" for an even split)
     assert f"(every rank holds {4 * nranks} on axis 0)" in outcomes["operands do not form the slab"]["message"]
@@ -81,7 +77,7 @@ BAD_INPUTS = {
     "input boxes overlap": "DistributionError",
     "operand shape differs from its input box": "DistributionError",
     "dtypes differ across ranks": "OperandMismatchError",  # a ValueError, as nvmath's for dtypes across processes
-    "symmetric operand on some ranks only": "SymmetricMemoryError",
+    "an operand off the symmetric heap on one rank": "SymmetricMemoryError",
     "operands do not form the slab": "DistributionError",
     "Slab on some ranks, Box on others": "DistributionError",
     "Slab output over boxes away from the origin": "DistributionError",

@@ -144,7 +144,7 @@ def _off_heap(shape):
     return torch.zeros(shape, dtype=torch.float64, device="cuda")
 
 
-case("GPU operand not on the symmetric heap" if GPU else "symmetric operand on some ranks only", mixed_memory)
+case("an operand off the symmetric heap on one rank", mixed_memory)
 case("options' logger is not a logger on one rank", lambda: with_operand(  # (first used after the exchange)
     lambda a: reshape(a, col(), row(), options={"logger": "not-a-logger"} if RANK == 0 else None)))
 
