@@ -73,31 +73,29 @@ class CudaDriver:
         self.check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
         self._ctx, self._dev = ctx, dev.value
 
-    def _ensure_context(self) -> None:
-        """Driver calls need a current context in the calling thread (a Dask worker may call from another thread
-        than the one that initialized): make the engine's primary context current where none is."""
-        ctx = getattr(self, "_ctx", None)
-        if ctx is None:
-            return
-        cur = ctypes.c_void_p()
-        if self.lib.cuCtxGetCurrent(ctypes.byref(cur)) == 0 and not cur.value:
-            self.check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    def current(self) -> _Current:
+        """``with drv.current():`` runs the calls inside with the engine's primary context current in this thread
+        (driver, NVSHMEM and cuFFTMp calls act on the current context). A thread with no context keeps it
+        afterwards, as after CuPy's or torch's first call there; a thread where another context is current (a
+        context of its own, or another device made current by CuPy or torch) gets that one back."""
+        return _Current(self)
 
     def memcpy(self, dst: int, src: int, nbytes: int) -> None:
         if nbytes:
-            self._ensure_context()
-            self.check(self.lib.cuMemcpy(dst, src, nbytes), "cuMemcpy")
+            with self.current():
+                self.check(self.lib.cuMemcpy(dst, src, nbytes), "cuMemcpy")
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         if nbytes:
-            self._ensure_context()
-            self.check(self.lib.cuMemcpyAsync(dst, src, nbytes, ctypes.c_void_p(stream or None)), "cuMemcpyAsync")
+            with self.current():
+                self.check(self.lib.cuMemcpyAsync(dst, src, nbytes, ctypes.c_void_p(stream or None)),
+                           "cuMemcpyAsync")
 
     def mem_get_info(self) -> tuple[int, int]:
         """(free, total) bytes of the current device, as ``cudaMemGetInfo`` counts them (every process's use)."""
-        self._ensure_context()
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
-        self.check(self.lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)), "cuMemGetInfo")
+        with self.current():
+            self.check(self.lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)), "cuMemGetInfo")
         return free.value, total.value
 
     def pci_bus_id(self) -> str:
@@ -108,12 +106,39 @@ class CudaDriver:
         return buf.value.decode()
 
     def ctx_synchronize(self) -> None:
-        self._ensure_context()
-        self.check(self.lib.cuCtxSynchronize(), "cuCtxSynchronize")
+        with self.current():
+            self.check(self.lib.cuCtxSynchronize(), "cuCtxSynchronize")
 
     def stream_synchronize(self, stream: int) -> None:
-        self._ensure_context()
-        self.check(self.lib.cuStreamSynchronize(ctypes.c_void_p(stream or None)), "cuStreamSynchronize")
+        with self.current():
+            self.check(self.lib.cuStreamSynchronize(ctypes.c_void_p(stream or None)), "cuStreamSynchronize")
+
+
+class _Current:
+    """:meth:`CudaDriver.current` (a class, not a generator: it wraps every ``execute()``). Nests: an inner one
+    finds the engine's context current and does nothing."""
+
+    __slots__ = ("drv", "prev")
+
+    def __init__(self, drv: CudaDriver) -> None:
+        self.drv, self.prev = drv, None
+
+    def __enter__(self) -> None:
+        drv = self.drv
+        ctx = getattr(drv, "_ctx", None)
+        if ctx is None:  # before make_current: nothing to switch to
+            return
+        cur = ctypes.c_void_p()
+        drv.check(drv.lib.cuCtxGetCurrent(ctypes.byref(cur)), "cuCtxGetCurrent")
+        if cur.value != ctx.value:
+            drv.check(drv.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+            if cur.value:
+                self.prev = cur
+
+    def __exit__(self, *exc: object) -> None:
+        if self.prev is not None:
+            prev, self.prev = self.prev, None
+            self.drv.check(self.drv.lib.cuCtxSetCurrent(prev), "cuCtxSetCurrent")
 
 
 def driver() -> CudaDriver:

@@ -54,7 +54,9 @@ _LL3 = ctypes.c_longlong * 3
 
 class CuFFTMp:
     def __init__(self, path: str) -> None:
-        _nvshmem.load()  # the NVSHMEM host library must be in the process first (RTLD_GLOBAL)
+        # the NVSHMEM host library must be in the process first (RTLD_GLOBAL); its lock serialises every call
+        # below too: cuFFTMp calls NVSHMEM inside them (Make allocates and synchronises symmetric memory)
+        self._lock = _nvshmem.load().lock
         mode = os.RTLD_NOW | os.RTLD_LOCAL | getattr(os, "RTLD_DEEPBIND", 0)
         vp, c_int, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
         p_ll = ctypes.POINTER(ctypes.c_longlong)
@@ -76,7 +78,9 @@ class CuFFTMp:
 
     def create(self) -> int:
         h = ctypes.c_void_p()
-        self._check(self.lib.cufftMpCreateReshape(ctypes.byref(h)), "cufftMpCreateReshape")
+        with self._lock:
+            rc = self.lib.cufftMpCreateReshape(ctypes.byref(h))
+        self._check(rc, "cufftMpCreateReshape")
         return h.value
 
     def make(
@@ -88,23 +92,29 @@ class CuFFTMp:
     ) -> None:
         """Collective. 3-D boxes in global coordinates, strides in elements (row-major, decreasing)."""
         arrays = [_LL3(*map(int, v)) for v in (lower_in, upper_in, strides_in, lower_out, upper_out, strides_out)]
-        rc = self._make(ctypes.c_void_p(handle), element_size, 3, *arrays, None, CUFFT_COMM_NONE)
+        with self._lock:
+            rc = self._make(ctypes.c_void_p(handle), element_size, 3, *arrays, None, CUFFT_COMM_NONE)
         self._check(rc, "cufftMpMakeReshape")
 
     def workspace_size(self, handle: int) -> int:
         n = ctypes.c_size_t()
-        self._check(self.lib.cufftMpGetReshapeSize(ctypes.c_void_p(handle), ctypes.byref(n)), "cufftMpGetReshapeSize")
+        with self._lock:
+            rc = self.lib.cufftMpGetReshapeSize(ctypes.c_void_p(handle), ctypes.byref(n))
+        self._check(rc, "cufftMpGetReshapeSize")
         return n.value
 
     def execute(self, handle: int, out: int, inp: int, workspace: int, stream: int) -> None:
-        rc = self.lib.cufftMpExecReshapeAsync(
-            ctypes.c_void_p(handle), ctypes.c_void_p(out), ctypes.c_void_p(inp),
-            ctypes.c_void_p(workspace or None), ctypes.c_void_p(stream or None),
-        )
+        with self._lock:
+            rc = self.lib.cufftMpExecReshapeAsync(
+                ctypes.c_void_p(handle), ctypes.c_void_p(out), ctypes.c_void_p(inp),
+                ctypes.c_void_p(workspace or None), ctypes.c_void_p(stream or None),
+            )
         self._check(rc, "cufftMpExecReshapeAsync")
 
     def destroy(self, handle: int) -> None:
-        self._check(self.lib.cufftMpDestroyReshape(ctypes.c_void_p(handle)), "cufftMpDestroyReshape")
+        with self._lock:
+            rc = self.lib.cufftMpDestroyReshape(ctypes.c_void_p(handle))
+        self._check(rc, "cufftMpDestroyReshape")
 
 
 #: the cuFFTMp library, loaded on first use

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
@@ -292,6 +293,19 @@ class _StreamContext:
             self._dev.__exit__(*exc)
 
 
+def _on_device(method: Callable) -> Callable:
+    """Run an engine or plan method with the engine's CUDA context current in the calling thread
+    (:meth:`CudaDriver.current`): a Dask worker or a user calls from threads that did not initialize, where no
+    context, or another device's, may be current."""
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with (self.drv if isinstance(self, NVSHMEMEngine) else self.engine.drv).current():
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 def _copy(dst: Any, src: Any) -> None:
     if type(dst).__module__.startswith("cupy"):
         dst[...] = src
@@ -530,6 +544,7 @@ class NVSHMEMEngine(Engine):
     # (same heap offset everywhere). This takes nvshmem_malloc/free (collective, with barriers: milliseconds
     # when several PEs share a GPU) out of repeated Reshape.execute() calls. settings.pool_limit
     # (DASK_PGAS_NVSHMEM_POOL_BYTES, agreed at bring-up) caps what is kept.
+    @_on_device
     def allocate(self, nbytes: int) -> Allocation:
         with self._lock:
             blocks = self._pool.get(nbytes)
@@ -613,8 +628,19 @@ class NVSHMEMEngine(Engine):
         """Bytes of NVSHMEM's heap held by this engine: live blocks and pooled ones."""
         return sum(self._allocs.values()) + self._pool_bytes
 
+    @_on_device
     def free(self, allocation: Allocation) -> None:
-        self.drv.ctx_synchronize()  # like cudaFree: no stream may still use the memory
+        self.synchronize_for_free()
+        self._release(allocation)
+
+    def synchronize_for_free(self) -> None:
+        """Collective: wait for the device (like ``cudaFree``, no stream may still use memory about to be freed or
+        reused) and agree on the outcome, so that a PE whose context holds an error (a kernel's illegal address
+        is sticky) raises with every other PE instead of leaving them inside the collective free alone."""
+        _agreed(self.control, "synchronizing the device before freeing symmetric memory", self.drv.ctx_synchronize)
+
+    def _release(self, allocation: Allocation) -> None:
+        """Pool or free ``allocation`` (collective, after :meth:`synchronize_for_free` on every PE)."""
         with self._lock:
             self._allocs.pop(allocation.handle, None)
             if self._pool_bytes + allocation.nbytes <= self.settings.pool_limit:
@@ -702,12 +728,14 @@ class NVSHMEMEngine(Engine):
             }
 
     # -- reshape --------------------------------------------------------------------------------------------
+    @_on_device
     def plan_reshape(self, spec: ReshapeSpec) -> NVSHMEMReshapePlan:
         plan = NVSHMEMReshapePlan(self, spec)
         with self._lock:
             self._plans.append(plan)
         return plan
 
+    @_on_device
     def finalize(self) -> None:
         with self._lock:
             plans, self._plans = list(self._plans), []
@@ -852,6 +880,7 @@ class NVSHMEMReshapePlan(ReshapePlan):
             self._stage = (first, second)
         return self._stage[0].ptr, self._stage[1].ptr
 
+    @_on_device
     def execute(self, src: Any, dst: Any, *, stream: Any = None, sync_symmetric_memory: bool = True,
                 operand_offset: int | None = None) -> None:
         if self._freed:
@@ -942,6 +971,7 @@ class NVSHMEMReshapePlan(ReshapePlan):
         handle = self._last_stream if stream is None else stream_handle(stream)
         self.engine.drv.stream_synchronize(handle)
 
+    @_on_device
     def free(self) -> None:
         if self._freed:
             return
@@ -950,9 +980,10 @@ class NVSHMEMReshapePlan(ReshapePlan):
         with eng._lock:
             if self in eng._plans:
                 eng._plans.remove(self)
-        eng.drv.ctx_synchronize()
         # a made handle on every PE or on none (_set_up_cufftmp); one never made is destroyed locally
         error, collective = None, bool(self._handle) and self._made
+        if collective or self._workspace is not None or self._stage is not None:  # alike on every PE
+            eng.synchronize_for_free()  # on failure every PE raises here, before any collective step
         if self._handle:
             handle, self._handle = self._handle, 0
             try:
@@ -963,11 +994,11 @@ class NVSHMEMReshapePlan(ReshapePlan):
                     warnings.warn(f"destroying an unmade cuFFTMp handle failed: {error}", RuntimeWarning,
                                   stacklevel=2)
         if self._workspace is not None:
-            eng.free(self._workspace)
+            eng._release(self._workspace)
             self._workspace = None
         if self._stage is not None:
             for a in self._stage:
-                eng.free(a)
+                eng._release(a)
             self._stage = None
         if collective and (bad := eng.control.agree(error)):
             raise CollectiveError(f"destroying the cuFFTMp reshape failed on rank {bad[0][0]}: {bad[0][1]}")

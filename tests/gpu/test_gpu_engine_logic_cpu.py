@@ -13,7 +13,7 @@ import pytest
 from dask_pgas.distribution import Box
 from dask_pgas.engines.base import ControlPlane, ReshapeSpec
 from dask_pgas.geometry.cufftmp_layout import cufftmp_layout
-from tests.gpu.test_gpu_planning_cpu import _fake_engine, boxes_cover
+from tests.gpu.test_gpu_planning_cpu import _fake_engine, _FakeControl, boxes_cover
 
 
 def _byte_exact(shape, ins, outs, itemsize):
@@ -167,6 +167,83 @@ def test_staging_buffers_have_the_size_of_the_largest_piece_on_any_rank(monkeypa
     plan.free()
 
 
+# -- a device error on one PE before a collective free ------------------------------------------------------
+class _PeerFailed(ControlPlane):
+    """Two PEs; the other one's local step failed (a sticky CUDA error in its context)."""
+    rank, size = 0, 2
+
+    def allgather(self, obj):
+        call, same, _ = obj
+        return [obj, (call, same, "CudaError: cuCtxSynchronize failed: CUDA error 700 (an illegal memory access)")]
+
+
+def test_a_device_error_on_another_pe_stops_every_pe_before_the_collective_free(monkeypatch):
+    """engine.free and plan.free wait for the device and agree on it before nvshmem_free and cufftMpDestroyReshape
+    (both collective): a PE whose synchronize fails makes every PE raise there, and none enters the collective
+    call alone. Before, the failing PE raised alone and the others waited inside nvshmem_free."""
+    from dask_pgas.errors import CollectiveError
+
+    eng = _fake_engine(monkeypatch, pool_bytes=0)
+    block = eng.allocate(1000)
+    plan = _cufftmp_plan(monkeypatch, eng, (Box((0, 0), (4, 2)), Box((0, 2), (4, 4))), EMPTY_OUTS)
+    destroyed = []
+    plan._cf = types.SimpleNamespace(destroy=destroyed.append)
+    plan._handle, plan._made = 77, True
+    eng.control = _PeerFailed()
+    with pytest.raises(CollectiveError, match=r"on rank 1: CudaError: .*illegal memory access"):
+        eng.free(block)
+    with pytest.raises(CollectiveError, match="on rank 1"):
+        plan.free()
+    assert not [c for c in eng.nv.calls if c[0] == "free"] and destroyed == []
+    assert eng.heap_info()["heap_allocations"] == 1  # still held, as on the other PE
+
+
+def test_a_device_error_here_is_agreed_too(monkeypatch):
+    """This PE's failed synchronize is reported to every PE (the message names this rank), not raised alone."""
+    from dask_pgas.bindings.cuda import CudaError
+    from dask_pgas.errors import CollectiveError
+
+    eng = _fake_engine(monkeypatch, pool_bytes=0)
+    block = eng.allocate(1000)
+
+    def sticky():
+        raise CudaError("cuCtxSynchronize failed: CUDA error 700 (an illegal memory access)")
+
+    eng.drv.ctx_synchronize = sticky
+    seen = []
+    eng.control = type("C", (ControlPlane,), {"rank": 0, "size": 2,
+                                              "allgather": lambda self, o: seen.append(o) or [o, (*o[:2], None)]})()
+    with pytest.raises(CollectiveError, match="on rank 0: CudaError"):
+        eng.free(block)
+    assert seen and seen[0][2].startswith("CudaError") and not [c for c in eng.nv.calls if c[0] == "free"]
+
+
+def test_engine_and_plan_calls_run_in_the_engine_context(monkeypatch):
+    """allocate, free, plan_reshape, execute, plan free and finalize run inside drv.current() (the engine's CUDA
+    context current in the calling thread)."""
+    eng = _fake_engine(monkeypatch)
+    entered = []
+
+    class _Ctx:
+        def __enter__(self):
+            entered.append(True)
+
+        def __exit__(self, *exc):
+            entered.append(False)
+
+    eng.drv.current = _Ctx
+    eng.control = _Two()
+    eng.free(eng.allocate(100))
+    assert entered == [True, False, True, False]
+    entered.clear()
+    plan = eng.plan_reshape(ReshapeSpec((Box((0,), (4,)), Box((4,), (4,))), (Box((0,), (4,)), Box((4,), (4,))),
+                                        np.dtype("f8"), "C", 0))
+    assert entered == [True, False]
+    plan.execute(np.zeros(4), np.zeros(4))
+    plan.free()
+    assert entered == [True, False] * 3
+
+
 # -- the symmetric pool and the heap limit -------------------------------------------------------------------
 def test_heap_limit_admits_an_allocation_that_reaches_it_exactly(monkeypatch):
     monkeypatch.setenv("NVSHMEM_MAX_MEMORY_PER_GPU", "1m")
@@ -222,7 +299,9 @@ def test_devices_are_told_apart_by_host_and_bus(monkeypatch):
     mine = (socket.gethostname(), "0000:01:00.0", need, None)
     other = ("another-host", "0000:01:00.0", need, None)
     eng.control = type("C", (ControlPlane,), {"rank": 0, "size": 2, "allgather": lambda self, o: [mine, other]})()
-    eng.free(eng.allocate(1000))  # on one GPU together they would need 2 * need
+    block = eng.allocate(1000)  # on one GPU together they would need 2 * need
+    eng.control = _FakeControl()
+    eng.free(block)
 
 
 # -- agreements at bring-up ----------------------------------------------------------------------------------
@@ -237,7 +316,6 @@ HEAP_ENVS = [
 def test_agreed_settings_read_every_variable(env):
     """The engine takes its settings from NVSHMEMSettings.agreed (not from_env): it must see every variable."""
     from dask_pgas.engines.nvshmem import NVSHMEMSettings
-    from tests.gpu.test_gpu_planning_cpu import _FakeControl
 
     assert NVSHMEMSettings.agreed(_FakeControl(), env) == NVSHMEMSettings.from_env(env)
 

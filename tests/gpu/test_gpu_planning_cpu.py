@@ -4,9 +4,11 @@ messages when the GPU libraries are missing."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import itertools
+import threading
 
 import numpy as np
 import pytest
@@ -200,6 +202,78 @@ def test_nvshmem_host_calls_hold_the_lock():
     assert held == dict.fromkeys(names, True)
 
 
+def test_cufftmp_calls_hold_the_nvshmem_lock():
+    """cuFFTMp calls NVSHMEM inside its own calls (Make allocates symmetric memory): every bound cuFFTMp call runs
+    under the NVSHMEM binding's lock, like NVSHMEM's own host calls."""
+    import threading
+    import types
+
+    from dask_pgas.bindings import cufftmp
+
+    cf = cufftmp.CuFFTMp.__new__(cufftmp.CuFFTMp)
+    lock = threading.RLock()
+    held = {}
+
+    def bound(name):
+        def call(*args):
+            held[name] = lock._is_owned()
+            return 0
+
+        return call
+
+    names = ["cufftMpCreateReshape", "cufftMpGetReshapeSize", "cufftMpExecReshapeAsync", "cufftMpDestroyReshape"]
+    cf.lib, cf._make, cf._lock = types.SimpleNamespace(**{n: bound(n) for n in names}), bound("make"), lock
+    h = cf.create()
+    cf.make(h, 8, (0, 0, 0), (1, 1, 1), (1, 1, 1), (0, 0, 0), (1, 1, 1), (1, 1, 1))
+    cf.workspace_size(h), cf.execute(h, 16, 32, 0, 0), cf.destroy(h)
+    assert held == dict.fromkeys([*names, "make"], True)
+
+
+class _FakeCuda:
+    """libcuda's current-context calls, per thread as the driver keeps them."""
+
+    def __init__(self):
+        self.tls, self.sets = threading.local(), []
+
+    def cuCtxGetCurrent(self, out):
+        out._obj.value = getattr(self.tls, "ctx", None)
+        return 0
+
+    def cuCtxSetCurrent(self, ctx):
+        self.tls.ctx = ctx.value
+        self.sets.append(ctx.value)
+        return 0
+
+
+def test_driver_makes_the_engine_context_current_for_its_calls():
+    """CudaDriver.current(): with no context current, the engine's becomes current and stays; with another one
+    current (a context of the thread's own, another device), the engine's is current inside and the other one
+    after; with the engine's current, nothing is set. Before, a thread with another context current ran the
+    engine's copies and synchronizations in that context."""
+    from dask_pgas.bindings.cuda import CudaDriver
+
+    drv = CudaDriver.__new__(CudaDriver)
+    drv.lib, drv._ctx = _FakeCuda(), ctypes.c_void_p(0xE)
+    now = drv.lib.tls
+
+    with drv.current():
+        assert now.ctx == 0xE
+    assert now.ctx == 0xE and drv.lib.sets == [0xE]  # none was current: it stays
+    with drv.current(), drv.current():  # the engine's is current: nothing to do, nested or not
+        pass
+    assert drv.lib.sets == [0xE]
+    now.ctx = 0xF  # another context
+    with drv.current():
+        assert now.ctx == 0xE
+        with drv.current():
+            assert now.ctx == 0xE
+        assert now.ctx == 0xE
+    assert now.ctx == 0xF and drv.lib.sets == [0xE, 0xE, 0xF]
+    with pytest.raises(KeyError), drv.current():
+        raise KeyError("inside")
+    assert now.ctx == 0xF  # given back on an exception too
+
+
 def test_missing_libraries_messages(monkeypatch, tmp_path):
     from dask_pgas import bindings
     from dask_pgas.bindings import cufftmp, nvshmem
@@ -350,6 +424,9 @@ class _FakeNV:
 
 class _FakeDrv:
     free = 1 << 40
+
+    def current(self):
+        return contextlib.nullcontext()
 
     def ctx_synchronize(self):
         pass

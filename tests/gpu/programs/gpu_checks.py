@@ -447,6 +447,54 @@ def main():
 
     check("empty-torch-views-keep-their-address", empty_torch_views_keep_their_address)
 
+    def another_context_current():
+        # a thread where another CUDA context is current (one of its own here; in a program that drives two GPUs,
+        # the other device's): the engine's calls run in the engine's context and give the thread's back
+        import ctypes
+
+        lib = ctypes.CDLL("libcuda.so.1")
+
+        def current():
+            c = ctypes.c_void_p()
+            assert lib.cuCtxGetCurrent(ctypes.byref(c)) == 0
+            return c.value
+
+        def ok(rc, what):
+            assert rc == 0, f"{what}: CUDA error {rc}"
+
+        ins, outs = c2r
+        g = glob(shape, "float64", seed=11)
+        src = sym(piece(g, ins[RANK]))
+        cp.cuda.Device().synchronize()
+        dev, other = ctypes.c_int(), ctypes.c_void_p()
+        ok(lib.cuDeviceGet(ctypes.byref(dev), eng.device), "cuDeviceGet")
+        create = getattr(lib, "cuCtxCreate_v2", None)
+        if create is not None:
+            ok(create(ctypes.byref(other), 0, dev), "cuCtxCreate_v2")
+        else:  # CUDA 13 headers name only the v4 entry point
+            ok(lib.cuCtxCreate_v4(ctypes.byref(other), None, 0, dev), "cuCtxCreate_v4")
+        popped = ctypes.c_void_p()
+        try:
+            assert current() == other.value
+            r = Reshape(src, ins[RANK], outs[RANK])
+            r.plan()
+            assert current() == other.value, "plan() left another context current"
+            out = r.execute()
+            r._plan.synchronize()
+            assert current() == other.value, "execute() left another context current"
+            ok(lib.cuCtxPopCurrent_v2(ctypes.byref(popped)), "cuCtxPopCurrent")  # check the values in CuPy's
+            assert np.array_equal(host(out), piece(g, outs[RANK])), "wrong values"
+            ok(lib.cuCtxPushCurrent_v2(other), "cuCtxPushCurrent")
+            dask_pgas.free_symmetric_memory(out, src)
+            r.free()
+            assert current() == other.value, "free() left another context current"
+        finally:
+            if current() == other.value:
+                lib.cuCtxPopCurrent_v2(ctypes.byref(popped))
+            lib.cuCtxDestroy_v2(other)
+
+    check("another-context-current", another_context_current)
+
     def heap_empty():
         u = dask_pgas.heap_usage("nvshmem")
         assert u["allocations"] == 0, u
