@@ -25,6 +25,7 @@ import dask_pgas
 from dask_pgas import memory
 from dask_pgas.bindings import LibraryNotFound, cuda, cufftmp, nvshmem
 from dask_pgas.distribution import Box
+from dask_pgas.engines.base import Allocation
 from dask_pgas.engines.nvshmem import NVSHMEMEngine
 from dask_pgas.reshape import reshape
 from dask_pgas.runtime import get_engine
@@ -94,7 +95,8 @@ class FakeNV:
 
 
 class FakeDriver:
-    fail = None  # "h2d" or "d2h": this rank's copies in that direction raise; "device": make_current raises
+    fail = None  # "h2d" or "d2h": this rank's copies in that direction raise; "device": make_current raises;
+    #              "sync": ctx_synchronize raises (a sticky error in the context)
     free = 1 << 50  # bytes free on this rank's GPU
     bus = f"0000:{RANK + 1:02x}:00.0"  # this rank's GPU (one per rank unless a case shares one)
 
@@ -123,7 +125,11 @@ class FakeDriver:
         pass
 
     def ctx_synchronize(self):
-        pass
+        if self.fail == "sync":
+            raise RuntimeError("cuCtxSynchronize failed: CUDA error 700 (an illegal memory access, fake)")
+
+    def current(self):
+        return contextlib.nullcontext()
 
 
 class FakeCuFFTMp:
@@ -393,6 +399,37 @@ case("plan: cufftMpGetReshapeSize fails on one rank", lambda: failing(CF, "works
 case("plan: healthy after the failed workspace query", healthy)
 case("plan: cufftMpDestroyReshape fails on one rank", lambda: failing(CF, "destroy"))
 case("plan: no leak after the failed destroy", healthy)
+
+
+def free_block_with_sticky_error():
+    """A block allocated on every rank, freed with the last rank's context broken: every rank raises before the
+    collective free (the last one must not raise alone, the others must not enter nvshmem_free), and the block
+    stays allocated everywhere; freed again once the device is healthy."""
+    block = ENGINE.allocate(1 << 20)
+    if RANK == LAST:
+        DRV.fail = "sync"
+    try:
+        ENGINE.free(block)
+    finally:
+        DRV.fail = None
+        assert ENGINE.heap_info()["heap_allocations"] == 1, ENGINE.heap_info()
+        ENGINE.free(block)
+
+
+def plan_blocks_left(handle_made):
+    """After a plan's free failed everywhere, every rank keeps the plan's two staging blocks and its handle (the
+    world is broken where a context holds an error); forgets them, so that later cases start clean."""
+    assert ENGINE.heap_info()["heap_allocations"] == 2, ENGINE.heap_info()
+    assert list(CF.handles.values()) == [handle_made], CF.handles
+    for ptr, nbytes in list(ENGINE._allocs.items()):
+        ENGINE._release(Allocation(nbytes=nbytes, ptr=ptr, handle=ptr))
+    CF.handles.clear()
+
+
+case("free: the device fails before a collective free on one rank", free_block_with_sticky_error)
+case("free: the device fails before a plan's collective free on one rank", lambda: failing(DRV, "sync"))
+case("free: the plan's blocks and handle are left on every rank", lambda: plan_blocks_left(True))
+case("free: healthy after the failed frees", healthy)
 
 
 # -- peer copies (the fallback of layouts cuFFTMp cannot take): NumPy views of the fake heap stand in for CuPy's ---
