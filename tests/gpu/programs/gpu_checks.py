@@ -473,7 +473,7 @@ def main():
             ok(create(ctypes.byref(other), 0, dev), "cuCtxCreate_v2")
         else:  # CUDA 13 headers name only the v4 entry point
             ok(lib.cuCtxCreate_v4(ctypes.byref(other), None, 0, dev), "cuCtxCreate_v4")
-        popped, out, r = ctypes.c_void_p(), None, None
+        popped = ctypes.c_void_p()
         try:
             assert current() == other.value
             r = Reshape(src, ins[RANK], outs[RANK])
@@ -487,18 +487,12 @@ def main():
             assert got.shape == want.shape and got.tobytes() == want.tobytes(), "wrong values"
             ok(lib.cuCtxPushCurrent_v2(other), "cuCtxPushCurrent")
             dask_pgas.free_symmetric_memory(out, src)
-            out = src = None
             r.free()
             assert current() == other.value, "free() left another context current"
         finally:
             if current() == other.value:
                 lib.cuCtxPopCurrent_v2(ctypes.byref(popped))
             lib.cuCtxDestroy_v2(other)
-            for a in (out, src):  # after a failure above: leave the heap empty for the checks that follow
-                if a is not None:
-                    dask_pgas.free_symmetric_memory(a)
-            if r is not None:
-                r.free()
 
     check("another-context-current", another_context_current)
 
