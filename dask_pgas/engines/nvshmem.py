@@ -630,17 +630,17 @@ class NVSHMEMEngine(Engine):
 
     @_on_device
     def free(self, allocation: Allocation) -> None:
-        self.synchronize_for_free()
+        self._synchronize_for_free()
         self._release(allocation)
 
-    def synchronize_for_free(self) -> None:
+    def _synchronize_for_free(self) -> None:
         """Collective: wait for the device (like ``cudaFree``, no stream may still use memory about to be freed or
         reused) and agree on the outcome, so that a PE whose context holds an error (a kernel's illegal address
         is sticky) raises with every other PE instead of leaving them inside the collective free alone."""
         _agreed(self.control, "synchronizing the device before freeing symmetric memory", self.drv.ctx_synchronize)
 
     def _release(self, allocation: Allocation) -> None:
-        """Pool or free ``allocation`` (collective, after :meth:`synchronize_for_free` on every PE)."""
+        """Pool or free ``allocation`` (collective, after :meth:`_synchronize_for_free` on every PE)."""
         with self._lock:
             self._allocs.pop(allocation.handle, None)
             if self._pool_bytes + allocation.nbytes <= self.settings.pool_limit:
@@ -983,7 +983,7 @@ class NVSHMEMReshapePlan(ReshapePlan):
         # a made handle on every PE or on none (_set_up_cufftmp); one never made is destroyed locally
         error, collective = None, bool(self._handle) and self._made
         if collective or self._workspace is not None or self._stage is not None:  # alike on every PE
-            eng.synchronize_for_free()  # on failure every PE raises here, before any collective step
+            eng._synchronize_for_free()  # on failure every PE raises here, before any collective step
         if self._handle:
             handle, self._handle = self._handle, 0
             try:
