@@ -13,6 +13,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveMismatchError",
     "ConvertDistributionError",
+    "DeviceError",
     "DistributionError",
     "NotInitializedError",
     "OperandMismatchError",
@@ -77,6 +78,13 @@ class CollectiveMismatchError(CollectiveError):
     differ; None when the same call got different arguments."""
 
     calls: tuple[str | None, ...] | None = None
+
+
+class DeviceError(CollectiveError):
+    """A PE's CUDA context holds an error that does not go away (a kernel's illegal address is sticky), found
+    before a collective step and raised on every rank. The world cannot be used any more: every later call of
+    its engine raises this too, ``finalize()`` releases nothing on the device, and the processes must restart
+    to use their GPUs again."""
 
 
 class SymmetricMemoryLeakWarning(UserWarning):

@@ -27,6 +27,7 @@ from .distribution import Box, Slab
 from .engines.base import Engine, ReshapePlan, ReshapeSpec
 from .errors import (
     BackendUnavailableError,
+    DeviceError,
     DistributionError,
     OperandMismatchError,
     RuntimeStateError,
@@ -98,7 +99,7 @@ _RAISABLE = {
     cls.__name__: cls
     for cls in (
         DistributionError, UnsupportedOperandError, OperandMismatchError, SymmetricMemoryError,
-        BackendUnavailableError, RuntimeStateError, TypeError, ValueError, MemoryError,
+        BackendUnavailableError, RuntimeStateError, DeviceError, TypeError, ValueError, MemoryError,
     )
 }
 

@@ -33,7 +33,13 @@ import numpy as np
 
 from .._arrays import TORCH_INTS
 from ..distribution import Box
-from ..errors import BackendUnavailableError, CollectiveError, RuntimeStateError, UnsupportedOperandError
+from ..errors import (
+    BackendUnavailableError,
+    CollectiveError,
+    DeviceError,
+    RuntimeStateError,
+    UnsupportedOperandError,
+)
 from .base import Allocation, ControlPlane, Engine, ReshapePlan, ReshapeSpec
 
 __all__ = [
@@ -176,17 +182,21 @@ class NVSHMEMSettings:
 
 
 # -- array helpers (CuPy and torch are imported only when used) -------------------------------------------------
-def stream_handle(stream: Any, package: str | None = None) -> int:
-    """Raw ``cudaStream_t`` of a CuPy/torch/cuda.core stream, an int handle, or the package's current stream."""
+def stream_handle(stream: Any, package: str | None = None, device: int | None = None) -> int:
+    """Raw ``cudaStream_t`` of a CuPy/torch/cuda.core stream, an int handle, or the package's current stream (of
+    ``device`` when given: the thread may have made another device current, whose stream the engine cannot use)."""
     if stream is None:
         if package == "cupy":
             import cupy
 
-            return int(cupy.cuda.get_current_stream().ptr)
+            if device is None:
+                return int(cupy.cuda.get_current_stream().ptr)
+            with cupy.cuda.Device(device):  # (CuPy keeps a current stream per device and thread)
+                return int(cupy.cuda.get_current_stream().ptr)
         if package == "torch":
             import torch
 
-            return int(torch.cuda.current_stream().cuda_stream)
+            return int(torch.cuda.current_stream(device).cuda_stream)
         return 0
     if isinstance(stream, int):
         return stream
@@ -451,8 +461,8 @@ class NVSHMEMEngine(Engine):
 
         def prepare() -> tuple[Any, Any]:
             if _left_up_by:  # (a second init there would wait for PEs that are not in it)
-                raise RuntimeError(f"NVSHMEM was left initialized in this process by a failed bring-up "
-                                   f"({_left_up_by}); restart the process")
+                raise RuntimeError(f"NVSHMEM was left initialized in this process {_left_up_by}; restart the "
+                                   "process")
             drv = driver()
             drv.make_current(device)
             _use_device_in_packages(device)
@@ -492,7 +502,7 @@ class NVSHMEMEngine(Engine):
                 # where init raised, NVSHMEM's state is unknown: a collective finalize could wait for it forever
                 global _left_up_by
                 left = [r for r, (_, came) in enumerate(outcomes) if came]
-                _left_up_by = f"init raised on rank {raised[0][0]}"
+                _left_up_by = f"by a failed bring-up (init raised on rank {raised[0][0]})"
                 _raise_unavailable(raised, f". NVSHMEM's init raised there, so it cannot be finalized collectively "
                                            f"and stays as it is on ranks {left}: restart these processes")
         try:
@@ -546,6 +556,7 @@ class NVSHMEMEngine(Engine):
     # (DASK_PGAS_NVSHMEM_POOL_BYTES, agreed at bring-up) caps what is kept.
     @_on_device
     def allocate(self, nbytes: int) -> Allocation:
+        self._refuse_if_broken()
         with self._lock:
             blocks = self._pool.get(nbytes)
             if blocks:
@@ -633,11 +644,30 @@ class NVSHMEMEngine(Engine):
         self._synchronize_for_free()
         self._release(allocation)
 
+    #: why this engine cannot be used any more (a device error agreed before a collective free), else None; set
+    #: on every PE alike, so every PE refuses the same call
+    _broken: str | None = None
+
+    def _refuse_if_broken(self) -> None:
+        if self._broken:
+            raise DeviceError(self._broken)
+
     def _synchronize_for_free(self) -> None:
         """Collective: wait for the device (like ``cudaFree``, no stream may still use memory about to be freed or
         reused) and agree on the outcome, so that a PE whose context holds an error (a kernel's illegal address
-        is sticky) raises with every other PE instead of leaving them inside the collective free alone."""
-        _agreed(self.control, "synchronizing the device before freeing symmetric memory", self.drv.ctx_synchronize)
+        is sticky) raises with every other PE instead of leaving them inside the collective free alone. Then
+        every PE raises :class:`DeviceError`, and from then on at every call of this engine. The agreement is
+        labelled, so that a PE freeing alone meets the others' other steps as a mismatch, not as a match."""
+        self._refuse_if_broken()
+        error = None
+        try:
+            self.drv.ctx_synchronize()
+        except Exception as exc:  # reported to every PE, never raised alone
+            error = f"{type(exc).__name__}: {exc}"
+        if bad := self.control.agree(error, same=("step", "synchronizing the device before a free")):
+            self._broken = (f"the device failed on rank {bad[0][0]} before a collective free ({bad[0][1]}); this "
+                            "world cannot be used any more: finalize, then restart the processes to use their GPUs")
+            raise DeviceError(self._broken)
 
     def _release(self, allocation: Allocation) -> None:
         """Pool or free ``allocation`` (collective, after :meth:`_synchronize_for_free` on every PE)."""
@@ -650,6 +680,10 @@ class NVSHMEMEngine(Engine):
         self.nv.free(allocation.handle)
 
     def _drain_pool(self) -> None:
+        """Free the pooled blocks (collective; the pools are alike on every PE)."""
+        if not self._pool:
+            return
+        self._synchronize_for_free()
         with self._lock:
             pool, self._pool, self._pool_bytes = self._pool, {}, 0
         for blocks in pool.values():
@@ -706,7 +740,7 @@ class NVSHMEMEngine(Engine):
     def resolve_stream(self, stream: Any, package: str) -> Any:
         """The raw handle of ``stream`` (default: the package's current stream); None for host operands, which
         are staged on the engine's own stream."""
-        return None if package == "numpy" else stream_handle(stream, package)
+        return None if package == "numpy" else stream_handle(stream, package, self.device)
 
     def on_heap(self, array: Any) -> bool:
         if isinstance(array, np.ndarray):
@@ -730,6 +764,7 @@ class NVSHMEMEngine(Engine):
     # -- reshape --------------------------------------------------------------------------------------------
     @_on_device
     def plan_reshape(self, spec: ReshapeSpec) -> NVSHMEMReshapePlan:
+        self._refuse_if_broken()
         plan = NVSHMEMReshapePlan(self, spec)
         with self._lock:
             self._plans.append(plan)
@@ -737,8 +772,27 @@ class NVSHMEMEngine(Engine):
 
     @_on_device
     def finalize(self) -> None:
+        """Collective. After a :class:`DeviceError` nothing collective runs on the device (the broken context
+        cannot take part): plans and blocks are left, NVSHMEM stays initialized, and a later ``initialize()``
+        in this process is refused; the error is raised here when this call is what found it."""
         with self._lock:
             plans, self._plans = list(self._plans), []
+        found = None
+        if not self._broken:
+            try:
+                self._synchronize_for_free()  # one agreed look at the device before the collective steps below
+            except DeviceError as exc:
+                found = exc
+        if self._broken:
+            global _left_up_by
+            _left_up_by = f"after a device error ({self._broken})"
+            for plan in plans:
+                plan._abandon()
+            if not isinstance(self.control, NVSHMEMControl):  # (an MPI communicator: healthy, collective)
+                self.control.free()
+            if found is not None:
+                raise found
+            return
         for plan in plans:
             plan.free()
         self._drain_pool()
@@ -885,11 +939,12 @@ class NVSHMEMReshapePlan(ReshapePlan):
                 operand_offset: int | None = None) -> None:
         if self._freed:
             raise RuntimeError("this plan was freed")
+        self.engine._refuse_if_broken()
         pkg = _package(src)
         if pkg == "numpy":
             self._execute_host(src, dst)
             return
-        handle = stream_handle(stream, pkg)  # (an int, as Reshape.execute resolves it, is returned as is)
+        handle = stream_handle(stream, pkg, self.engine.device)  # (Reshape.execute passes the resolved int)
         self._last_stream = handle
         self._run(_ptr(src), _ptr(dst), handle, sync_symmetric_memory, operand_offset or 0)
 
@@ -971,6 +1026,10 @@ class NVSHMEMReshapePlan(ReshapePlan):
         handle = self._last_stream if stream is None else stream_handle(stream)
         self.engine.drv.stream_synchronize(handle)
 
+    def _abandon(self) -> None:
+        """Freed without touching the device (after a :class:`DeviceError`): the handle and blocks are left."""
+        self._freed, self._handle, self._workspace, self._stage = True, 0, None, None
+
     @_on_device
     def free(self) -> None:
         if self._freed:
@@ -1010,7 +1069,7 @@ def _raise_unavailable(bad: list[tuple[int, str]], more: str = "") -> None:
         raise BackendUnavailableError(f"the nvshmem engine cannot start on rank {bad[0][0]}: {bad[0][1]}{more}")
 
 
-#: why NVSHMEM stays initialized in this process after a failed bring-up (None: it does not)
+#: why NVSHMEM stays initialized in this process, after a failed bring-up or a device error (None: it does not)
 _left_up_by: str | None = None
 
 

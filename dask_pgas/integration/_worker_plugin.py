@@ -27,6 +27,7 @@ from distributed import WorkerPlugin
 from ..errors import (
     CollectiveError,
     CollectiveMismatchError,
+    DeviceError,
     PGASWorldError,
     RuntimeStateError,
     SymmetricMemoryError,
@@ -738,6 +739,8 @@ class PGASWorkerPlugin(WorkerPlugin):
                                 "values") from exc
             try:
                 buffers = self._grow_buffers(staged[0], cfg["buffer-growth"])
+            except DeviceError:  # (agreed: every PE) the world cannot be used any more: fatal, not a capacity issue
+                raise
             except (MemoryError, SymmetricMemoryError, CollectiveError) as exc:
                 # Sized from the agreed spec, on heaps of one size with one allocation history (every
                 # allocation is collective, and the engine agrees on the GPUs' free memory before it grows the
@@ -756,6 +759,8 @@ class PGASWorkerPlugin(WorkerPlugin):
             try:
                 key, plan, new = self._plan(runtime.engine_for_package(staged[0].package), staged[0])
                 src, dst = self._prepare(*staged, buffers)
+            except DeviceError:  # (the engine refuses on every PE alike) fatal
+                raise
             except Exception as exc:
                 local_error = f"{type(exc).__name__}: {exc}"
         if errors := control.agree(local_error):

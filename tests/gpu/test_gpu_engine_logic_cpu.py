@@ -179,9 +179,10 @@ class _PeerFailed(ControlPlane):
 
 def test_a_device_error_on_another_pe_stops_every_pe_before_the_collective_free(monkeypatch):
     """engine.free and plan.free wait for the device and agree on it before nvshmem_free and cufftMpDestroyReshape
-    (both collective): a PE whose synchronize fails makes every PE raise there, and none enters the collective
-    call alone. Before, the failing PE raised alone and the others waited inside nvshmem_free."""
-    from dask_pgas.errors import CollectiveError
+    (both collective): a PE whose synchronize fails makes every PE raise DeviceError there, none enters the
+    collective call alone, and the engine refuses every later call (on every PE alike). Before, the failing PE
+    raised alone and the others waited inside nvshmem_free."""
+    from dask_pgas.errors import DeviceError
 
     eng = _fake_engine(monkeypatch, pool_bytes=0)
     block = eng.allocate(1000)
@@ -190,10 +191,11 @@ def test_a_device_error_on_another_pe_stops_every_pe_before_the_collective_free(
     plan._cf = types.SimpleNamespace(destroy=destroyed.append)
     plan._handle, plan._made = 77, True
     eng.control = _PeerFailed()
-    with pytest.raises(CollectiveError, match=r"on rank 1: CudaError: .*illegal memory access"):
+    with pytest.raises(DeviceError, match=r"on rank 1 before a collective free \(CudaError: .*illegal memory access"):
         eng.free(block)
-    with pytest.raises(CollectiveError, match="on rank 1"):
-        plan.free()
+    for call in (plan.free, lambda: eng.allocate(10), lambda: eng.free(block)):
+        with pytest.raises(DeviceError, match="on rank 1"):
+            call()
     assert not [c for c in eng.nv.calls if c[0] == "free"] and destroyed == []
     assert eng.heap_info()["heap_allocations"] == 1  # still held, as on the other PE
 
@@ -201,7 +203,7 @@ def test_a_device_error_on_another_pe_stops_every_pe_before_the_collective_free(
 def test_a_device_error_here_is_agreed_too(monkeypatch):
     """This PE's failed synchronize is reported to every PE (the message names this rank), not raised alone."""
     from dask_pgas.bindings.cuda import CudaError
-    from dask_pgas.errors import CollectiveError
+    from dask_pgas.errors import DeviceError
 
     eng = _fake_engine(monkeypatch, pool_bytes=0)
     block = eng.allocate(1000)
@@ -213,7 +215,7 @@ def test_a_device_error_here_is_agreed_too(monkeypatch):
     seen = []
     eng.control = type("C", (ControlPlane,), {"rank": 0, "size": 2,
                                               "allgather": lambda self, o: seen.append(o) or [o, (*o[:2], None)]})()
-    with pytest.raises(CollectiveError, match="on rank 0: CudaError"):
+    with pytest.raises(DeviceError, match=r"on rank 0 before a collective free \(CudaError"):
         eng.free(block)
     assert seen and seen[0][2].startswith("CudaError") and not [c for c in eng.nv.calls if c[0] == "free"]
 
@@ -242,6 +244,10 @@ def test_engine_and_plan_calls_run_in_the_engine_context(monkeypatch):
     plan.execute(np.zeros(4), np.zeros(4))
     plan.free()
     assert entered == [True, False] * 3
+    entered.clear()
+    eng.nv.finalize = eng.drv.stream_synchronize = lambda *args: None
+    eng.finalize()
+    assert entered[:1] == [True] and entered[-1:] == [False]
 
 
 # -- the symmetric pool and the heap limit -------------------------------------------------------------------
@@ -361,22 +367,41 @@ def test_peer_access_is_agreed_by_every_pe(monkeypatch):
 
 # -- streams ---------------------------------------------------------------------------------------------------
 def _fake_packages(monkeypatch):
+    import contextlib
     import sys
 
+    current = {"device": 0}  # the thread's current device; each device has its own current stream
+    cupy_streams, torch_streams = {0: 4242, 1: 5151}, {0: 99, 1: 98}
+
+    @contextlib.contextmanager
+    def device(d):
+        before, current["device"] = current["device"], d
+        try:
+            yield
+        finally:
+            current["device"] = before
+
     cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
-        get_current_stream=lambda: types.SimpleNamespace(ptr=4242)))
+        Device=device, get_current_stream=lambda: types.SimpleNamespace(ptr=cupy_streams[current["device"]])))
     torch = types.SimpleNamespace(cuda=types.SimpleNamespace(
-        current_stream=lambda: types.SimpleNamespace(cuda_stream=99)))
+        current_stream=lambda d=None: types.SimpleNamespace(
+            cuda_stream=torch_streams[current["device"] if d is None else d])))
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setitem(sys.modules, "torch", torch)
+    return current
 
 
 def test_default_stream_is_the_packages_current_stream(monkeypatch):
+    """The package's current stream, of the engine's device when given: a thread that made another device
+    current has another current stream there, which the engine cannot use."""
     from dask_pgas.engines.nvshmem import stream_handle
 
-    _fake_packages(monkeypatch)
+    current = _fake_packages(monkeypatch)
     assert stream_handle(None, "cupy") == 4242 and stream_handle(None, "torch") == 99
     assert stream_handle(None) == 0 and stream_handle(None, "numpy") == 0
+    current["device"] = 1
+    assert stream_handle(None, "cupy", 0) == 4242 and stream_handle(None, "torch", 0) == 99
+    assert stream_handle(None, "cupy") == 5151 and current["device"] == 1
 
 
 def test_execute_and_synchronize_use_the_resolved_stream(monkeypatch):

@@ -42,9 +42,12 @@ EXPECTED = {
     "plan: healthy after the failed workspace query": "none",
     "plan: cufftMpDestroyReshape fails on one rank": "CollectiveError",
     "plan: no leak after the failed destroy": "none",
-    "free: the device fails before a collective free on one rank": "CollectiveError",
-    "free: the device fails before a plan's collective free on one rank": "CollectiveError",
+    "free: the device fails before a collective free on one rank": "DeviceError",
+    "free: every later call is refused on every rank": "DeviceError",
+    "free: (the processes restart)": "none",
+    "free: the device fails before a plan's collective free on one rank": "DeviceError",
     "free: the plan's blocks and handle are left on every rank": "none",
+    "free: (the processes restart again)": "none",
     "free: healthy after the failed frees": "none",
     "peer: viewing memory fails on one rank": "CollectiveError",
     "peer: healthy after the failed copy": "none",
@@ -78,6 +81,11 @@ EXPECTED = {
     "plugin: no leak after the GPU-short growth": "none",
     "plugin: copying the result out fails on one PE": "none",
     "plugin: no leak after the failed copy": "none",
+    "plugin: a device error while the staging buffers grow is fatal": "DeviceError",
+    "plugin: (the processes restart)": "none",
+    "plugin: no leak after the device error": "none",
+    "finalize: the device fails on one rank": "DeviceError",
+    "finalize: a later initialize is refused": "BackendUnavailableError",
 }
 
 
@@ -105,6 +113,12 @@ def test_gpu_engine_agrees_before_collectives(nranks):
         "execute: a misaligned operand takes the peer copies on every rank": ("execute",),
         "device memory: one rank's GPU is short": ("malloc",),
         "device memory: PEs sharing a GPU need room for all of them": ("malloc",),
+        # a device error found before a collective free: no rank enters nvshmem_free, Destroy or NVSHMEM's finalize
+        "free: the device fails before a collective free on one rank": ("free",),
+        "free: every later call is refused on every rank": ("free", "malloc", "make", "execute"),
+        "free: the device fails before a plan's collective free on one rank": ("free", "destroy"),
+        "plugin: a device error while the staging buffers grow is fatal": ("execute",),  # (set-up frees/mallocs)
+        "finalize: the device fails on one rank": ("free", "destroy", "finalize"),
     }
     raised = outcomes["bring-up: NVSHMEM's init raises on one rank"]["message"]
     assert f"on rank {nranks - 1}: RuntimeError: injected" in raised and "restart these processes" in raised, raised

@@ -27,6 +27,7 @@ from dask_pgas.bindings import LibraryNotFound, cuda, cufftmp, nvshmem
 from dask_pgas.distribution import Box
 from dask_pgas.engines.base import Allocation
 from dask_pgas.engines.nvshmem import NVSHMEMEngine
+from dask_pgas.errors import DeviceError
 from dask_pgas.reshape import reshape
 from dask_pgas.runtime import get_engine
 
@@ -81,6 +82,7 @@ class FakeNV:
         return buf.ctypes.data
 
     def free(self, ptr):
+        self.calls["free"] += 1
         LIB.Barrier()
         del self.live[ptr]
 
@@ -402,33 +404,59 @@ case("plan: no leak after the failed destroy", healthy)
 
 
 def free_block_with_sticky_error():
-    """A block allocated on every rank, freed with the last rank's context broken: every rank raises before the
-    collective free (the last one must not raise alone, the others must not enter nvshmem_free), and the block
-    stays allocated everywhere; freed again once the device is healthy."""
-    block = ENGINE.allocate(1 << 20)
+    """A block allocated on every rank, freed with the last rank's context broken, the pool off (so the free is
+    nvshmem_free, collective): every rank raises DeviceError before it (the last one must not raise alone, the
+    others must not enter nvshmem_free)."""
+    settings = ENGINE.settings
+    ENGINE.settings = dataclasses.replace(settings, pool_limit=0)
+    LEFT.append(ENGINE.allocate(1 << 20))
     if RANK == LAST:
         DRV.fail = "sync"
     try:
-        ENGINE.free(block)
+        ENGINE.free(LEFT[-1])
     finally:
-        DRV.fail = None
-        assert ENGINE.heap_info()["heap_allocations"] == 1, ENGINE.heap_info()
-        ENGINE.free(block)
+        ENGINE.settings = settings
 
 
-def plan_blocks_left(handle_made):
-    """After a plan's free failed everywhere, every rank keeps the plan's two staging blocks and its handle (the
-    world is broken where a context holds an error); forgets them, so that later cases start clean."""
-    assert ENGINE.heap_info()["heap_allocations"] == 2, ENGINE.heap_info()
-    assert list(CF.handles.values()) == [handle_made], CF.handles
+def refused_after_the_device_error():
+    """The engine refuses every later call on every rank (the world cannot be used any more): no rank enters a
+    collective with a broken peer. Nothing was freed: the block is left on every rank, and no nvshmem_free ran."""
+    assert ENGINE.heap_info()["heap_allocations"] == len(LEFT), ENGINE.heap_info()
+    assert NV.calls["free"] == FREES_BEFORE[0], (NV.calls["free"], FREES_BEFORE)
+    for call in (lambda: ENGINE.allocate(64), lambda: ENGINE.free(LEFT[-1]),
+                 lambda: reshape(np.zeros(col().box_shape), col(), row())):
+        try:
+            call()
+        except DeviceError:
+            continue
+        raise AssertionError("a call of the broken engine did not raise DeviceError")
+    raise DeviceError(ENGINE._broken)  # (the case's outcome: the same class on every rank)
+
+
+def restart():
+    """Stands in for restarting the processes (what a real broken context needs), so that later cases run: the
+    engine is usable again and the blocks and handles left behind are dropped."""
+    ENGINE._broken = None
     for ptr, nbytes in list(ENGINE._allocs.items()):
         ENGINE._release(Allocation(nbytes=nbytes, ptr=ptr, handle=ptr))
+    LEFT.clear()
     CF.handles.clear()
 
 
+def plan_blocks_left(handle_made):
+    """After a plan's free failed everywhere, every rank keeps the plan's two staging blocks and its handle."""
+    assert ENGINE.heap_info()["heap_allocations"] == 2, ENGINE.heap_info()
+    assert list(CF.handles.values()) == [handle_made], CF.handles
+
+
+LEFT: list = []  # blocks left allocated by a device error
+FREES_BEFORE = [NV.calls["free"]]
 case("free: the device fails before a collective free on one rank", free_block_with_sticky_error)
+case("free: every later call is refused on every rank", refused_after_the_device_error)
+case("free: (the processes restart)", restart)
 case("free: the device fails before a plan's collective free on one rank", lambda: failing(DRV, "sync"))
 case("free: the plan's blocks and handle are left on every rank", lambda: plan_blocks_left(True))
+case("free: (the processes restart again)", restart)
 case("free: healthy after the failed frees", healthy)
 
 
@@ -755,7 +783,60 @@ case("plugin: no leak after the GPU-short growth", no_leak)
 case("plugin: copying the result out fails on one PE", copy_out_fails_on_one_rank)
 case("plugin: no leak after the failed copy", no_leak)
 
-dask_pgas.finalize()
+
+
+def device_error_in_growth():
+    """The staging buffers grow, and freeing the old one finds the last rank's device broken: every PE raises
+    DeviceError, which is fatal for the world (not the non-fatal "cannot grow, give the workers more room")."""
+    with stand_in_plugin() as plugin:
+        plugin._grow_buffers(run_spec("float32"), 1.25)  # half the bytes of the run below
+        if RANK == LAST:
+            DRV.fail = "sync"
+        try:
+            stage_and_run(plugin, run_spec("float64"))
+        except DeviceError as exc:
+            assert getattr(exc, "fatal", True) is True, repr(exc)
+            raise
+        finally:  # the plugin's way out frees its plans and buffers: on a usable engine (see restart)
+            DRV.fail, ENGINE._broken = None, None
+
+
+case("plugin: a device error while the staging buffers grow is fatal", device_error_in_growth)
+case("plugin: (the processes restart)", restart)
+case("plugin: no leak after the device error", no_leak)
+
+
+def finalize_with_device_error():
+    """finalize() finds the last rank's device broken: every rank raises DeviceError, nothing collective runs
+    on the device (NVSHMEM is not finalized), and the runtime is down."""
+    global LEFT_INITIALIZED
+    if RANK == LAST:
+        DRV.fail = "sync"
+    LEFT_INITIALIZED += 1
+    finalizes = NV.calls["finalize"]
+    try:
+        dask_pgas.finalize()
+    finally:
+        assert NV.calls["finalize"] == finalizes, "NVSHMEM was finalized with a broken device"
+        assert not dask_pgas.is_initialized()
+
+
+def initialize_after_the_device_error():
+    """NVSHMEM stays initialized after a device error: a later bring-up in these processes is refused."""
+    from dask_pgas.engines import nvshmem as engine_module
+
+    assert "after a device error" in (engine_module._left_up_by or ""), engine_module._left_up_by
+    try:
+        initialize()
+    finally:
+        engine_module._left_up_by = None
+        NV.live.clear()  # (left on the broken device by design: the fake forgets them)
+        assert not dask_pgas.is_initialized()
+
+
+case("finalize: the device fails on one rank", finalize_with_device_error)
+case("finalize: a later initialize is refused", initialize_after_the_device_error)
+dask_pgas.finalize()  # (nothing to do: the case above took the runtime down)
 assert not NV.live, f"symmetric memory leaked: {len(NV.live)} block(s)"
 # every init was finalized, but the one that raised on a rank: that one is left, on every rank, by design
 assert NV.calls["init"] == NV.calls["finalize"] + LEFT_INITIALIZED, NV.calls
