@@ -429,8 +429,9 @@ def _free_all(engine: Engine) -> None:
                 "finalize() frees %d symmetric allocation(s) never freed explicitly: %s",
                 len(left), ", ".join(r.desc for r in left),
             )
-        for rec in left:
+        for rec in left:  # forgotten first: a free that raises (a device error, on every rank) leaves none behind
             _forget(rec)
+        for rec in left:
             engine.free(rec.allocation)
 
 

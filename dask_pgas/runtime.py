@@ -265,8 +265,14 @@ def finalize() -> None:
             _engines.clear()
             _owner_pid = None
             _communicator = None
-            for engine in reversed(engines):
-                engine.finalize()
+            first = None
+            for engine in reversed(engines):  # every engine, whatever one of them raised (agreed: on every rank)
+                try:
+                    engine.finalize()
+                except Exception as exc:
+                    first = first or exc
+            if first is not None:
+                raise first
 
 
 def is_initialized() -> bool:

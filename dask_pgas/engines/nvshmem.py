@@ -189,10 +189,8 @@ def stream_handle(stream: Any, package: str | None = None, device: int | None = 
         if package == "cupy":
             import cupy
 
-            if device is None:
-                return int(cupy.cuda.get_current_stream().ptr)
-            with cupy.cuda.Device(device):  # (CuPy keeps a current stream per device and thread)
-                return int(cupy.cuda.get_current_stream().ptr)
+            # (CuPy keeps a current stream per device and thread; read without switching the thread's device)
+            return int(cupy.cuda.get_current_stream(-1 if device is None else device).ptr)
         if package == "torch":
             import torch
 
@@ -657,14 +655,15 @@ class NVSHMEMEngine(Engine):
         reused) and agree on the outcome, so that a PE whose context holds an error (a kernel's illegal address
         is sticky) raises with every other PE instead of leaving them inside the collective free alone. Then
         every PE raises :class:`DeviceError`, and from then on at every call of this engine. The agreement is
-        labelled, so that a PE freeing alone meets the others' other steps as a mismatch, not as a match."""
+        named, so that a PE freeing alone meets the others' other steps as a mismatch, not as a match."""
         self._refuse_if_broken()
         error = None
         try:
             self.drv.ctx_synchronize()
         except Exception as exc:  # reported to every PE, never raised alone
             error = f"{type(exc).__name__}: {exc}"
-        if bad := self.control.agree(error, same=("step", "synchronizing the device before a free")):
+        # named like a call (not a step): every PE compares the name, a PE whose synchronize failed too
+        if bad := self.control.agree(error, "synchronizing the device before a collective free"):
             self._broken = (f"the device failed on rank {bad[0][0]} before a collective free ({bad[0][1]}); this "
                             "world cannot be used any more: finalize, then restart the processes to use their GPUs")
             raise DeviceError(self._broken)
@@ -777,25 +776,17 @@ class NVSHMEMEngine(Engine):
         in this process is refused; the error is raised here when this call is what found it."""
         with self._lock:
             plans, self._plans = list(self._plans), []
-        found = None
-        if not self._broken:
-            try:
-                self._synchronize_for_free()  # one agreed look at the device before the collective steps below
-            except DeviceError as exc:
-                found = exc
         if self._broken:
-            global _left_up_by
-            _left_up_by = f"after a device error ({self._broken})"
-            for plan in plans:
-                plan._abandon()
-            if not isinstance(self.control, NVSHMEMControl):  # (an MPI communicator: healthy, collective)
-                self.control.free()
-            if found is not None:
-                raise found
+            self._finalize_broken(plans)
             return
-        for plan in plans:
-            plan.free()
-        self._drain_pool()
+        try:
+            self._synchronize_for_free()  # one agreed look at the device before the collective steps below
+            for plan in plans:
+                plan.free()
+            self._drain_pool()
+        except DeviceError:  # found here (by any of the agreed steps): on every PE alike
+            self._finalize_broken(plans)
+            raise
         if getattr(self, "_probe_buf", 0):
             self.nv.free(self._probe_buf)
             self._probe_buf = 0
@@ -805,6 +796,16 @@ class NVSHMEMEngine(Engine):
         finally:
             self.control.free()
             self.nv.finalize()
+
+
+    def _finalize_broken(self, plans: list[NVSHMEMReshapePlan]) -> None:
+        """``finalize()`` after a :class:`DeviceError`: nothing collective on the device, NVSHMEM left up."""
+        global _left_up_by
+        _left_up_by = f"after a device error ({self._broken})"
+        for plan in plans:
+            plan._abandon()
+        if not isinstance(self.control, NVSHMEMControl):  # (an MPI communicator: healthy, collective)
+            self.control.free()
 
 
 def _release_package_caches() -> None:
@@ -1028,7 +1029,8 @@ class NVSHMEMReshapePlan(ReshapePlan):
 
     def _abandon(self) -> None:
         """Freed without touching the device (after a :class:`DeviceError`): the handle and blocks are left."""
-        self._freed, self._handle, self._workspace, self._stage = True, 0, None, None
+        if not self._freed:
+            self._freed, self._handle, self._workspace, self._stage = True, 0, None, None
 
     @_on_device
     def free(self) -> None:

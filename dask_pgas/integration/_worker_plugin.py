@@ -590,11 +590,16 @@ class PGASWorkerPlugin(WorkerPlugin):
                 "torn down collectively (a member left, or one is stuck inside a collective): restart the workers "
                 "(close the cluster and start a new one)"
             )
-        for plan in self._plans.values():
-            plan.free()
+        error = None
+        try:
+            for plan in self._plans.values():
+                plan.free()
+            for kind in sorted(self._buffers):
+                free_symmetric_memory(self._buffers.pop(kind))
+        except DeviceError as exc:  # (agreed: on every PE) nothing more is freed on the device; finalize all the same
+            error = exc
         self._plans.clear()
-        for kind in sorted(self._buffers):
-            free_symmetric_memory(self._buffers.pop(kind))
+        self._buffers.clear()
         with self._lock:
             self._staged.clear()
             self._done.clear()
@@ -602,9 +607,14 @@ class PGASWorkerPlugin(WorkerPlugin):
             self._run_of.clear()
         self._pool.clear()
         self._scratch_buf = None
-        runtime.finalize()
+        try:
+            runtime.finalize()
+        except DeviceError as exc:
+            error = error or exc
         self.epoch = None
         self.pe = None
+        if error is not None:
+            raise error
 
     def _buffer(self, kind: str, nbytes: int, package: str, growth: float) -> Any:
         """Symmetric byte buffer of at least ``nbytes``, at least ``growth`` times the current one when it grows

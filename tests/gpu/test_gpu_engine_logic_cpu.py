@@ -220,6 +220,27 @@ def test_a_device_error_here_is_agreed_too(monkeypatch):
     assert seen and seen[0][2].startswith("CudaError") and not [c for c in eng.nv.calls if c[0] == "free"]
 
 
+def test_a_free_paired_with_another_step_is_a_mismatch_even_when_it_failed(monkeypatch):
+    """The agreement before a free is named: a PE freeing alone meets a peer's other step as a mismatch on both
+    (CollectiveMismatchError, the engine not marked broken on either), also when its synchronize failed. With a
+    label compared only among ranks without an error, one PE ended broken and the other not."""
+    from dask_pgas.bindings.cuda import CudaError
+    from dask_pgas.errors import CollectiveMismatchError
+
+    eng = _fake_engine(monkeypatch, pool_bytes=0)
+    block = eng.allocate(1000)
+
+    def sticky():
+        raise CudaError("cuCtxSynchronize failed: CUDA error 700")
+
+    eng.drv.ctx_synchronize = sticky
+    eng.control = type("C", (ControlPlane,), {"rank": 0, "size": 2,
+                                              "allgather": lambda self, o: [o, (None, None, None)]})()
+    with pytest.raises(CollectiveMismatchError):
+        eng.free(block)
+    assert eng._broken is None
+
+
 def test_engine_and_plan_calls_run_in_the_engine_context(monkeypatch):
     """allocate, free, plan_reshape, execute, plan free and finalize run inside drv.current() (the engine's CUDA
     context current in the calling thread)."""
@@ -367,22 +388,17 @@ def test_peer_access_is_agreed_by_every_pe(monkeypatch):
 
 # -- streams ---------------------------------------------------------------------------------------------------
 def _fake_packages(monkeypatch):
-    import contextlib
     import sys
 
     current = {"device": 0}  # the thread's current device; each device has its own current stream
     cupy_streams, torch_streams = {0: 4242, 1: 5151}, {0: 99, 1: 98}
 
-    @contextlib.contextmanager
-    def device(d):
-        before, current["device"] = current["device"], d
-        try:
-            yield
-        finally:
-            current["device"] = before
+    def switched(*args):  # the engine must not switch the thread's device to read a stream
+        raise AssertionError("cupy.cuda.Device used")
 
     cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
-        Device=device, get_current_stream=lambda: types.SimpleNamespace(ptr=cupy_streams[current["device"]])))
+        Device=switched, get_current_stream=lambda d=-1: types.SimpleNamespace(
+            ptr=cupy_streams[current["device"] if d == -1 else d])))
     torch = types.SimpleNamespace(cuda=types.SimpleNamespace(
         current_stream=lambda d=None: types.SimpleNamespace(
             cuda_stream=torch_streams[current["device"] if d is None else d])))

@@ -84,6 +84,12 @@ EXPECTED = {
     "plugin: a device error while the staging buffers grow is fatal": "DeviceError",
     "plugin: (the processes restart)": "none",
     "plugin: no leak after the device error": "none",
+    "teardown: the device fails on one rank, with a cached plan and buffers": "DeviceError",
+    "teardown: a later initialize is refused": "BackendUnavailableError",
+    "teardown: (the processes restart)": "none",
+    "finalize: a plan's free finds the device broken on one rank": "DeviceError",
+    "finalize: a later initialize is refused after it": "BackendUnavailableError",
+    "finalize: (the processes restart)": "none",
     "finalize: the device fails on one rank": "DeviceError",
     "finalize: a later initialize is refused": "BackendUnavailableError",
 }
@@ -119,6 +125,7 @@ def test_gpu_engine_agrees_before_collectives(nranks):
         "free: the device fails before a plan's collective free on one rank": ("free", "destroy"),
         "plugin: a device error while the staging buffers grow is fatal": ("execute",),  # (set-up frees/mallocs)
         "finalize: the device fails on one rank": ("free", "destroy", "finalize"),
+        "finalize: a plan's free finds the device broken on one rank": ("free", "destroy", "finalize"),
     }
     raised = outcomes["bring-up: NVSHMEM's init raises on one rank"]["message"]
     assert f"on rank {nranks - 1}: RuntimeError: injected" in raised and "restart these processes" in raised, raised

@@ -126,8 +126,13 @@ class FakeDriver:
     def stream_synchronize(self, stream):
         pass
 
+    syncs_ok = 0  # with fail == "sync": this many synchronizes succeed first (the error appears later)
+
     def ctx_synchronize(self):
         if self.fail == "sync":
+            if self.syncs_ok:
+                self.syncs_ok -= 1
+                return
             raise RuntimeError("cuCtxSynchronize failed: CUDA error 700 (an illegal memory access, fake)")
 
     def current(self):
@@ -834,6 +839,58 @@ def initialize_after_the_device_error():
         assert not dask_pgas.is_initialized()
 
 
+def teardown_with_device_error():
+    """The plugin's teardown (the scheduler's, of a world a device error broke) with a cached plan and grown
+    buffers, the last rank's device broken: every PE raises DeviceError once, its caches are dropped, and the
+    runtime is down all the same (before, each call freed one thing more and the runtime stayed up)."""
+    global LEFT_INITIALIZED
+    with stand_in_plugin() as plugin:
+        stage_and_run(plugin, run_spec("float64"))  # caches the run's plan and grows the buffers
+        assert plugin._plans and plugin._buffers
+        if RANK == LAST:
+            DRV.fail = "sync"
+        LEFT_INITIALIZED += 1
+        try:
+            plugin._teardown(force=True)
+        finally:
+            assert not plugin._plans and not plugin._buffers, (plugin._plans, plugin._buffers)
+            assert not dask_pgas.is_initialized()
+            assert plugin.epoch is None
+            DRV.fail = None
+            ENGINE.check_dtype, ENGINE.as_array = None, None  # (the stand-in's way out deletes them)
+
+
+def initialize_again():
+    global ENGINE
+    initialize()
+    ENGINE = get_engine("nvshmem")
+
+
+def finalize_when_a_later_step_fails():
+    """finalize() whose first look at the device passes, but a plan's free finds the last rank's device broken
+    (a kernel failed in between): every rank raises DeviceError, the plans left are abandoned, NVSHMEM is not
+    finalized and a later bring-up is refused."""
+    global LEFT_INITIALIZED
+    r = dask_pgas.Reshape(np.zeros(col().box_shape), col(), row())
+    r.plan()
+    if RANK == LAST:
+        DRV.fail, DRV.syncs_ok = "sync", 1
+    LEFT_INITIALIZED += 1
+    finalizes = NV.calls["finalize"]
+    try:
+        dask_pgas.finalize()
+    finally:
+        DRV.syncs_ok = 0
+        assert NV.calls["finalize"] == finalizes, "NVSHMEM was finalized with a broken device"
+        assert not dask_pgas.is_initialized()
+
+
+case("teardown: the device fails on one rank, with a cached plan and buffers", teardown_with_device_error)
+case("teardown: a later initialize is refused", initialize_after_the_device_error)
+case("teardown: (the processes restart)", initialize_again)
+case("finalize: a plan's free finds the device broken on one rank", finalize_when_a_later_step_fails)
+case("finalize: a later initialize is refused after it", initialize_after_the_device_error)
+case("finalize: (the processes restart)", initialize_again)
 case("finalize: the device fails on one rank", finalize_with_device_error)
 case("finalize: a later initialize is refused", initialize_after_the_device_error)
 dask_pgas.finalize()  # (nothing to do: the case above took the runtime down)
