@@ -797,7 +797,6 @@ class NVSHMEMEngine(Engine):
             self.control.free()
             self.nv.finalize()
 
-
     def _finalize_broken(self, plans: list[NVSHMEMReshapePlan]) -> None:
         """``finalize()`` after a :class:`DeviceError`: nothing collective on the device, NVSHMEM left up."""
         global _left_up_by
