@@ -308,7 +308,7 @@ def _on_device(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with (self.drv if isinstance(self, NVSHMEMEngine) else self.engine.drv).current():
+        with self.drv.current():
             return method(self, *args, **kwargs)
 
     return run
@@ -832,6 +832,11 @@ class NVSHMEMReshapePlan(ReshapePlan):
     """Modes: ``"copy"`` (every rank keeps its box: a device copy), ``"cufftmp"``, ``"peer"`` (device copies
     that pull pieces from peer-mapped symmetric memory), chosen identically on every rank."""
 
+    @property
+    def drv(self) -> Any:
+        """The engine's CUDA driver (as ``engine.drv``: :func:`_on_device` reads it on engines and plans alike)."""
+        return self.engine.drv
+
     def __init__(self, engine: NVSHMEMEngine, spec: ReshapeSpec) -> None:
         from ..geometry.cufftmp_layout import UnsupportedLayout, cufftmp_layout
 
@@ -953,7 +958,7 @@ class NVSHMEMReshapePlan(ReshapePlan):
             if self.nbytes_out:  # else both boxes are empty, possibly of different shapes
                 np.copyto(dst, src)
             return
-        drv, control = self.engine.drv, self.engine.control
+        drv, control = self.drv, self.engine.control
         s_in, s_out = self._staging()
         _trace(self.spec.rank, f"execute (host operands) mode={self.mode}")
 
@@ -972,7 +977,7 @@ class NVSHMEMReshapePlan(ReshapePlan):
 
     def _run(self, src: int, dst: int, stream: int, sync: bool, offset: int = 0) -> None:
         if self.mode == "copy":
-            self.engine.drv.memcpy_async(dst, src, self.nbytes_out, stream)
+            self.drv.memcpy_async(dst, src, self.nbytes_out, stream)
         elif self.mode == "cufftmp":
             word = self.layout.word_size
             if offset % word:
@@ -1024,12 +1029,11 @@ class NVSHMEMReshapePlan(ReshapePlan):
 
     def synchronize(self, stream: Any = None) -> None:
         handle = self._last_stream if stream is None else stream_handle(stream)
-        self.engine.drv.stream_synchronize(handle)
+        self.drv.stream_synchronize(handle)
 
     def _abandon(self) -> None:
         """Freed without touching the device (after a :class:`DeviceError`): the handle and blocks are left."""
-        if not self._freed:
-            self._freed, self._handle, self._workspace, self._stage = True, 0, None, None
+        self._freed, self._handle, self._workspace, self._stage = True, 0, None, None
 
     @_on_device
     def free(self) -> None:
