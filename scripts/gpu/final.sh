@@ -21,7 +21,6 @@
 #   dask4     the Dask suite on 4 GPU workers alone (a quick check after a change to the Dask layer)
 #   dask1     the same on 1 GPU worker
 #   failure   the Dask failure and launcher tests alone (tests/dask/test_failure.py, 3 GPU workers)
-#   recheck   round 25's open items: the bad-input programs on NVSHMEM, then the failure tests in two steps
 #   cancel    the two cancel tests, 5 times on 4 GPU workers
 #   notebook  notebooks/01_pgas_rechunk.ipynb cell by cell on 1 and 2 GPU workers (1 GiB)
 #   demo      the README's main job (embedded default: one worker per GPU)
@@ -147,18 +146,6 @@ job_failure() {
   step "dask failure tests, 3 GPU workers (kill) and 2 (full heap)" 400 "$OUT/dask-failure.log" \
     env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -rA -p no:cacheprovider --durations=8 tests/dask/test_failure.py
   grep -h "passed\|failed" "$OUT/dask-failure.log" >>"$S" 2>/dev/null
-}
-job_recheck() {  # round 25's open items: the bad-input programs on NVSHMEM, then the failure tests, the one
-  # that was running when round 25's step ran out of time first (alone, so that a hang there shows as its own)
-  step "bad-input programs on NVSHMEM (CuPy, torch)" 120 "$OUT/recheck.log" \
-    python3 -m pytest -q -rA -p no:cacheprovider -m gpu tests/mpi/test_reshape_mpi.py -k bad_inputs
-  step "failure: a bad config value on one of 2 GPU workers" 200 "$OUT/recheck.log" \
-    env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -rA -p no:cacheprovider --durations=3 \
-    tests/dask/test_failure.py -k one_worker_fails_every_pe_alike
-  step "failure tests, the other 28" 330 "$OUT/recheck.log" \
-    env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -rA -p no:cacheprovider --durations=8 \
-    tests/dask/test_failure.py -k "not one_worker_fails_every_pe_alike"
-  grep -h "passed\|failed\|slowest\|s call" "$OUT/recheck.log" >>"$S" 2>/dev/null
 }
 job_dask4() {
   dask_suite 4 200 "$OUT/dask4.log"
