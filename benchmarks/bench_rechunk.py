@@ -100,9 +100,29 @@ async def _on_collective_thread(fn, *args, dask_worker=None):
     return await asyncio.wrap_future(get_plugin(dask_worker)._thread.submit(fn, *args))
 
 
-def bare_exchange_seconds(client, n: int, repeats: int) -> dict[str, float]:
-    """:func:`_bare_exchanges` on every worker at once: per way, the median over repeats of the slowest worker."""
-    per_worker = list(client.run(_on_collective_thread, _bare_exchanges, n, repeats).values())
+def bare_exchange_seconds(client, n: int, repeats: int, timeout: float = 300.0) -> dict[str, float]:
+    """:func:`_bare_exchanges` on every worker at once: per way, the median over repeats of the slowest worker.
+
+    Raises ``TimeoutError`` after ``timeout`` seconds: a rank whose call raised inside the timed loop leaves its
+    peers in the collective (bare MPI has no agreement there), and the benchmark must fail, not wait."""
+    import concurrent.futures
+    import threading
+
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def call() -> None:  # (a daemon thread: one stuck in client.run never holds the interpreter's exit)
+        try:
+            done.set_result(client.run(_on_collective_thread, _bare_exchanges, n, repeats))
+        except BaseException as exc:
+            done.set_exception(exc)
+
+    threading.Thread(target=call, name="bare-exchanges", daemon=True).start()
+    try:
+        per_worker = list(done.result(timeout=timeout).values())
+    except concurrent.futures.TimeoutError:
+        raise TimeoutError(f"the bare exchanges did not end on every worker within {timeout:.0f} s (a rank's call "
+                           "raised, or the MPI is stuck): their collective threads are blocked; close the "
+                           "cluster") from None
     return {how: statistics.median(max(w[how][i] for w in per_worker) for i in range(repeats))
             for how in per_worker[0]}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,41 @@ def test_bench_rechunk_small(tmp_path):
         assert len(row["best_peer_over_floor_by_round"]) == 2 and min(row["best_peer_over_floor_by_round"]) > 0
         assert len(row["pgas_over_best_peer_by_round"]) == 2  # (the second round starts with tasks)
     assert "S1: floor " in stdout and "S1: the most any rechunk could reach" in stdout
+
+
+_BARE_FAILS_ON_ONE_RANK = """
+import os, sys, time
+from distributed import Client
+import bench_rechunk
+import dask_pgas
+
+def break_engine_calls():  # (this worker only) the MPI engine's execute raises before its collective
+    from dask_pgas.engines.mpi import MPIReshapePlan
+
+    def execute(self, *args, **kwargs):
+        raise RuntimeError("injected")
+    MPIReshapePlan.execute = execute
+
+with dask_pgas.LocalMPICluster(n_workers=2, backends=["mpi"]) as cluster, Client(cluster) as client:
+    pe1 = dask_pgas.world(client).workers[1]
+    client.run(break_engine_calls, workers=[pe1])
+    t0 = time.monotonic()
+    try:
+        bench_rechunk.bare_exchange_seconds(client, 64, 1, timeout=15)
+    except TimeoutError as exc:
+        print("raised after", round(time.monotonic() - t0), "s:", exc, flush=True)
+"""
+
+
+def test_bench_bare_exchanges_fail_instead_of_waiting(tmp_path):
+    # one rank's call raises inside the timed loop while its peer sits in the collective: a timeout, not a hang
+    script = tmp_path / "bare_fails.py"
+    script.write_text(_BARE_FAILS_ON_ONE_RANK)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=200, env=env)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "did not end on every worker within 15 s" in out.stdout, out.stdout + out.stderr[-4000:]
+    assert int(out.stdout.split("raised after", 1)[1].split()[0]) < 60, out.stdout
 
 
 def test_timeline_rechunk_small():
