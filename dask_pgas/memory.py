@@ -345,13 +345,14 @@ def _in_use() -> str | None:
     """Local, at finalize: the registered allocations whose arrays are still referenced (finalize would free
     their memory under them: the next access would crash the process), or None. A view keeps its NumPy base
     array, and so its allocation, referenced."""
-    if not any(rec.keep() is not None for rec in list(_live.values())):
+    # (an engine broken by a device error frees nothing at finalize: its arrays keep their memory)
+    if not any(rec.keep() is not None and not rec.engine.broken for rec in list(_live.values())):
         return None
     import gc
 
     gc.collect()  # arrays left only in unreachable cycles are not in use
     with _lock:
-        used = [rec.desc for rec in _live.values() if rec.keep() is not None]
+        used = [rec.desc for rec in _live.values() if rec.keep() is not None and not rec.engine.broken]
     if not used:
         return None
     return (f"{len(used)} symmetric array(s) still in use ({', '.join(used)}): free them with "
@@ -386,10 +387,13 @@ def free_symmetric_memory(*arrays: Any) -> None:
                 f"ranks free different allocations (allocation numbers by rank: {seqs}); every rank must free "
                 "its arrays of the same allocations in the same order"
             )
+        # all forgotten first: a free that raises DeviceError (on every rank: the engine is broken for good, and
+        # none of these can be freed any more) leaves none of them registered, so finalize() is not refused
         for rec, array in zip(records, arrays):
             _forget(rec)
             for a in _chain(array):  # (views of it may name it, or only an array it was made from)
                 _freed[id(a)] = weakref.ref(a, functools.partial(_drop_freed, id(a)))
+        for rec in records:
             rec.engine.free(rec.allocation)
 
 
@@ -424,13 +428,15 @@ def _free_all(engine: Engine) -> None:
     """Collective, at finalize: free what is left of ``engine``'s allocations, in allocation order."""
     with _lock:
         left = [rec for rec in _live.values() if rec.engine is engine]
+        for rec in left:  # forgotten first: a free that raises (a device error, on every rank) leaves none behind
+            _forget(rec)
+        if engine.broken:  # nothing can be freed (every rank alike): the blocks stay, as the engine's finalize says
+            return
         if left:
             logger.warning(
                 "finalize() frees %d symmetric allocation(s) never freed explicitly: %s",
                 len(left), ", ".join(r.desc for r in left),
             )
-        for rec in left:  # forgotten first: a free that raises (a device error, on every rank) leaves none behind
-            _forget(rec)
         for rec in left:
             engine.free(rec.allocation)
 

@@ -191,6 +191,16 @@ class Engine(ABC):
     #: True when operands of ``packages`` must lie on the symmetric heap (GPU engines)
     requires_symmetric_operands: ClassVar[bool] = False
 
+    #: why this engine cannot be used any more (a device error agreed on every rank), else None; set on every
+    #: rank alike, after which every call of the engine raises :class:`~dask_pgas.errors.DeviceError`
+    _broken: str | None = None
+
+    @property
+    def broken(self) -> str | None:
+        """Why this engine cannot be used any more, or None: its allocations cannot be freed (nor need to be
+        before ``finalize()``)."""
+        return self._broken
+
     @abstractmethod
     def allocate(self, nbytes: int) -> Allocation:
         """Collective: ``nbytes`` (equal on every rank) of symmetric memory."""

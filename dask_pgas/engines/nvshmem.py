@@ -642,10 +642,6 @@ class NVSHMEMEngine(Engine):
         self._synchronize_for_free()
         self._release(allocation)
 
-    #: why this engine cannot be used any more (a device error agreed before a collective free), else None; set
-    #: on every PE alike, so every PE refuses the same call
-    _broken: str | None = None
-
     def _refuse_if_broken(self) -> None:
         if self._broken:
             raise DeviceError(self._broken)

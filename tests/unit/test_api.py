@@ -298,6 +298,44 @@ def test_single_process_reshape_in_this_process():
     assert not dask_pgas.is_initialized()
 
 
+def test_after_a_device_error_no_array_of_the_broken_engine_blocks_finalize(monkeypatch):
+    """A free that finds the device broken (DeviceError, raised on every rank alike; here the MPI engine plays
+    the NVSHMEM engine's part) leaves none of the arrays it was given registered, and finalize() neither refuses
+    for arrays of a broken engine that are still referenced nor tries to free them (nothing can be freed any
+    more): "finalize, then restart the processes" works as the error says. Before, the second array of the
+    free stayed registered, and finalize() raised SymmetricMemoryError for it and for the third."""
+    from mpi4py import MPI
+
+    from dask_pgas import memory
+    from dask_pgas.runtime import get_engine
+
+    dask_pgas.initialize(None, MPI.COMM_SELF, backends=["mpi"])
+    eng = get_engine("mpi")
+    really_free, calls = eng.free, []
+    allocations = []
+    try:
+        a, b, c = [dask_pgas.allocate_symmetric_memory((4,), np, dtype="f8") for _ in range(3)]
+        allocations = [rec.allocation for rec in memory._live.values()]
+
+        def free(allocation):  # as NVSHMEMEngine._synchronize_for_free after a sticky error on some rank
+            calls.append(allocation)
+            eng._broken = "the device failed on rank 0 before a collective free (CudaError: ...)"
+            raise errors.DeviceError(eng._broken)
+
+        monkeypatch.setattr(eng, "free", free)
+        with pytest.raises(errors.DeviceError, match="before a collective free"):
+            dask_pgas.free_symmetric_memory(a, b)
+        assert eng.broken and dask_pgas.heap_usage()["allocations"] == 1  # c's, still referenced
+        dask_pgas.finalize()  # not refused for c, and c is not freed
+        c[...] = 1.0  # (its memory is still there)
+        assert not dask_pgas.is_initialized() and len(calls) == 1 and c.sum() == 4
+    finally:
+        if dask_pgas.is_initialized():
+            dask_pgas.finalize()
+        for allocation in allocations:  # (the windows this test's broken engine left)
+            really_free(allocation)
+
+
 def test_steps_are_logged_at_info_and_mismatches_are_value_errors(caplog):
     """As nvmath: each step of a Reshape is logged at INFO (creation, planning, every execute, the release), and a
     new operand of another shape or dtype is a ValueError (still an UnsupportedOperandError, as before)."""
