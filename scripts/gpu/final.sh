@@ -36,6 +36,9 @@
 #   bind      which GPU each PE took, and whether bootstrap warned, on LocalMPICluster(gpus=1) and LocalCluster
 #             workers (2 each; one GPU visible to each, so no warning is expected)
 #   handle    what cuFFTMp's reshape handle does after a failed set-up (scripts/gpu/probe_handle.py, 2 PEs)
+#   deverror  a real sticky device error (a kernel's illegal address on the last PE; no MPS) at 1, 2 and 3 PEs:
+#             every PE raises DeviceError at the next collective free, later calls too, finalize() returns
+#             (tests/gpu/programs/device_error.py)
 #   daskcuda  dask-cuda's LocalCUDACluster (workers not launched by MPI, default backends): the Dask suite on 1
 #             worker (one per GPU), then examples/dask_cuda_rechunk.py (the dask-cuda wheel travels in .whl, `pip
 #             download --no-deps dask-cuda`: the host has its dependencies cuda-core and nvidia-ml-py)
@@ -219,6 +222,14 @@ job_handle() {
     step "handle probe $case np=2" 40 "$OUT/handle.log" $MPIRUN -n 2 python3 scripts/gpu/probe_handle.py --case $case
   done
   grep -h "^HANDLE" "$OUT/handle.log" >>"$S"
+}
+job_deverror() {  # without MPS: under MPS one client's fault may take the other clients' contexts down too
+  for np_ in 1 2 3; do
+    step "device error on the last PE, np=$np_" 60 "$OUT/deverror.log" \
+      $MPIRUN -n $np_ python3 tests/gpu/programs/device_error.py
+  done
+  echo "device error: $(grep -c '^OK rank=' "$OUT/deverror.log") of 6 ranks printed OK" >>"$S"
+  grep -h "^CHECK.*FAIL\|^INFO DeviceError" "$OUT/deverror.log" | head -4 >>"$S"
 }
 job_daskcuda() {
   python3 -c "import dask_cuda, cuda.core; print('dask_cuda', dask_cuda.__version__, 'cuda.core', cuda.core.__version__)" >>"$S" 2>&1
