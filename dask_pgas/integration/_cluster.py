@@ -244,7 +244,8 @@ class LocalMPICluster:
         n_workers: MPI ranks of the worker job, one ``distributed.Worker`` each (one PE each). Fixed for the
             cluster's life: an MPI job does not grow or shrink (``scale`` to another size and ``adapt`` raise).
         threads_per_worker: task threads per worker (the collective runs on a thread of its own).
-        memory_limit: each worker's memory limit, as ``distributed.Worker`` reads it; None: ``"auto"`` for CPU
+        memory_limit: each worker's memory limit, as ``distributed.Worker`` reads it, except ``"auto"``, which
+            shares the machine's memory among the workers as ``LocalCluster`` does; None: ``"auto"`` for CPU
             workers, none for GPU workers.
         bootstrap: bring the PGAS world up on start (:func:`dask_pgas.bootstrap`).
         backends: the world's backends (default config ``pgas.backends``).
@@ -276,6 +277,11 @@ class LocalMPICluster:
         if memory_limit is None:  # Dask counts CuPy chunks as host memory: no host limit to spill them by
             memory_limit = "0" if gpus else "auto"
         _check_arguments(n_workers, threads_per_worker, memory_limit, gpus, timeout)
+        if memory_limit == "auto":  # the machine's memory shared among the workers, as LocalCluster does (each
+            # worker alone would take its share of the cores' memory: 4 workers on 2 cores, twice the machine's)
+            from distributed.worker_memory import parse_memory_limit
+
+            memory_limit = str(parse_memory_limit("auto", 1, n_workers, logger=logging.getLogger(__name__)) or 0)
         if isinstance(mpiexec_args, str):  # (unpacked as is, it gave mpiexec one argument per character)
             mpiexec_args = shlex.split(mpiexec_args)
         try:

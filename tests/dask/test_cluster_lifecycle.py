@@ -152,3 +152,22 @@ def test_more_workers_than_cores_under_mpich_4_warns_at_the_caller(monkeypatch):
         cluster = dask_pgas.LocalMPICluster(n_workers=2, bootstrap=False)
     cluster.close()
     assert caught[0].filename == __file__
+
+
+def test_auto_memory_limit_shares_the_machine_among_the_workers(client):
+    """LocalMPICluster's default ``"auto"`` on CPU workers: the workers hold the machine's memory together, as
+    LocalCluster's do. Each rank used to read ``"auto"`` alone (its share of the cores' memory): 4 workers on 2
+    cores were given twice the machine, and Dask's spill, pause and terminate thresholds came far too late."""
+    import logging
+
+    from distributed.worker_memory import parse_memory_limit
+
+    from ._xp import GPU_WORKERS, NWORKERS
+
+    if GPU_WORKERS:
+        pytest.skip("GPU workers get no host memory limit")
+    if os.environ.get("DASK_PGAS_TEST_CLUSTER"):
+        pytest.skip("not a LocalMPICluster")
+    limits = list(client.run(lambda dask_worker: dask_worker.memory_manager.memory_limit).values())
+    share = parse_memory_limit("auto", 1, NWORKERS, logger=logging.getLogger(__name__))
+    assert limits == [share] * NWORKERS, (limits, share)
