@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -172,8 +173,12 @@ def teardown(client=None) -> dict[str, int]:
     client = _client(client, "teardown")
     if scheduler_world(client) is None:
         raise PGASWorldError("no PGAS world to tear down: dask_pgas.bootstrap(client) never ran on this cluster")
+    # through the client's stream, behind the graphs it sent: the scheduler checks for rechunks still to run
+    # only once it has handled them (the call itself could overtake a graph submitted just before)
+    fence = f"pgas-fence-{uuid.uuid4().hex}"
+    client._send_to_scheduler({"op": "pgas-fence", "token": fence})
     try:
-        result = _ask(client, "pgas_teardown")
+        result = _ask(client, "pgas_teardown", fence=fence)
     except PGASWorldError as exc:  # the world may be there still
         raise PGASWorldError(f"{exc}; the world was not torn down") from None
     except Exception as exc:

@@ -103,6 +103,8 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         self._last_seq: dict[str, int] = {}  # run name -> number of its last run (its workers' state)
         self._tail: asyncio.Future | None = None  # ``ended`` of the last numbered run
         self._lock: asyncio.Lock | None = None
+        # fence tokens a client sent through its stream (after its graphs) -> set once the scheduler handled it
+        self._fences: dict[str, asyncio.Event] = {}
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
@@ -115,6 +117,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                 "pgas_teardown": self.teardown,
             }
         )
+        scheduler.stream_handlers["pgas-fence"] = self._fence
         # Explicit client.retire_workers(workers=[...]) skips valid_workers_downscaling: guard it too.
         original = scheduler.handlers.get("retire_workers")
         if original is not None and not getattr(original, "__pgas_guard__", False):
@@ -375,7 +378,27 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             for w in self.world
         )
 
-    async def teardown(self) -> dict:
+    #: seconds a teardown waits for its client's fence (every graph that client sent before it, handled)
+    FENCE_TIMEOUT = 60.0
+
+    def _fence(self, token: str, client: str | None = None) -> None:
+        """(a client's stream) Every message that client sent before this one has been handled: the stream's
+        handlers run one after the other, ``update-graph`` included, so its graphs are on the scheduler now."""
+        self._fences.setdefault(token, asyncio.Event()).set()
+
+    async def teardown(self, fence: str | None = None) -> dict:
+        """``fence``: a token the client sent through its stream right before this call (which travels on another
+        connection and could overtake the graphs it sent first: a rechunk it had just submitted would be missed
+        by the checks below, and fail once the world is gone)."""
+        if fence is not None:
+            event = self._fences.setdefault(fence, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), self.FENCE_TIMEOUT)
+            except asyncio.TimeoutError:
+                return {"status": "error", "message": f"the client's earlier messages did not reach the scheduler "
+                        f"within {self.FENCE_TIMEOUT:g} s; nothing was torn down"}
+            finally:
+                self._fences.pop(fence, None)
         async with self._lock:
             if runs := self._active():
                 return {"status": "error", "message": f"rechunks still running: {runs}"}

@@ -613,7 +613,37 @@ def test_teardown_is_refused_while_a_rechunk_still_needs_the_world():
                 dask_pgas.teardown(client)
             wait(fut, timeout=60)
             np.testing.assert_array_equal(host(fut.result()), ref)
+        # right after the submission, with the graph slow to reach the scheduler: the teardown call (another
+        # connection) overtook it, went ahead, and the rechunk then failed for want of a world
+        client.run_on_scheduler(_hold_graphs, 1.0)
+        try:
+            fut = client.compute(dask_pgas.rechunk(base, (10, 40)))
+            with pytest.raises(PGASWorldError, match="rechunks still running"):
+                dask_pgas.teardown(client)
+        finally:
+            client.run_on_scheduler(_hold_graphs, 0)
+        wait(fut, timeout=60)
+        np.testing.assert_array_equal(host(fut.result()), ref)
+        del fut
         assert set(dask_pgas.teardown(client).values()) == {0}  # the results are in: it goes ahead
+
+
+def _hold_graphs(seconds: float, dask_scheduler=None) -> None:
+    """(on the scheduler) Handle every client's graphs ``seconds`` late (0: as usual again)."""
+    import asyncio
+
+    handlers = dask_scheduler.stream_handlers
+    original = getattr(handlers["update-graph"], "held_graphs_of", handlers["update-graph"])
+    if not seconds:
+        handlers["update-graph"] = original
+        return
+
+    async def late(**kwargs):
+        await asyncio.sleep(seconds)
+        return await original(**kwargs)
+
+    late.held_graphs_of = original
+    handlers["update-graph"] = late
 
 
 @pytest.mark.skipif(bool(GPU_WORKERS), reason="CPU workers: a stopped GPU process is not what this checks")

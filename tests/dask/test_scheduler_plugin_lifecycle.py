@@ -33,6 +33,7 @@ class _Scheduler:
         self.tasks = {}
         self.sent = []
         self.handlers = {}
+        self.stream_handlers = {}
         self.calls = []  # (worker, op, kwargs)
         self.status = Status.running
         self.erred = []  # (key, kwargs) of transition(key, "erred")
