@@ -25,7 +25,7 @@ from typing import Any
 from dask._task_spec import Task, TaskRef
 
 from ..errors import CollectiveError
-from ._worker_plugin import RunSpec, get_plugin, refuse_unmovable
+from ._worker_plugin import RunSpec, copy_piece, get_plugin, refuse_unmovable
 
 
 class _Unfused(Task):
@@ -113,7 +113,7 @@ def assemble(pe: int, epoch: int, npes: int, shape: tuple, dtype: Any, package: 
             return view
     out = np.empty_like(arrays[0], shape=shape, dtype=dtype)
     for (chunk_slices, out_slices), arr in zip(pieces, arrays):
-        out[out_slices] = arr[chunk_slices]
+        copy_piece(out, out_slices, arr, chunk_slices)
     return out
 
 

@@ -837,7 +837,7 @@ class PGASWorkerPlugin(WorkerPlugin):
             buf = buffers[0] if buffers else self._scratch(in_box.size * dtype.itemsize)
             src = buf[: in_box.size * dtype.itemsize].view(dtype).reshape(in_box.box_shape)
             for (chunk_slices, box_slices), arr in zip(pieces, arrays):
-                src[box_slices] = arr[chunk_slices]
+                copy_piece(src, box_slices, arr, chunk_slices)
         if buffers:
             dst = buffers[1][: out_box.size * dtype.itemsize].view(dtype).reshape(out_box.box_shape)
         else:
@@ -859,8 +859,9 @@ def refuse_unmovable(arrays: tuple, dtype: Any, package: str) -> None:
       ``pgas.fallback`` before any task runs.)
     - Chunks of another dtype than the array's (a ``map_blocks`` or ``from_delayed`` that declared a wrong one):
       packing them into the array's dtype casts them. A cast that keeps every value (byte order, a wider type) is
-      done; one that can lose data (2.75 into an integer, ``'hello'`` into ``'U2'``) raises instead of truncating
-      silently, where Dask's own rechunk would move the chunks unchanged.
+      done; one that can lose data (2.75 into an integer, ``'hello'`` into ``'U2'``, 2**53 + 1 into float64, a
+      date into a finer unit that cannot hold it) raises instead of changing values silently, where Dask's own
+      rechunk would move the chunks unchanged.
     """
     import numpy as np
 
@@ -881,12 +882,54 @@ def refuse_unmovable(arrays: tuple, dtype: Any, package: str) -> None:
                 "meta=np.ma.masked_array([]))), which makes rechunk follow pgas.fallback, or rechunk with "
                 "method='tasks'"
             )
-        if a.dtype != dtype and not np.can_cast(a.dtype, dtype, casting="safe"):
+        if a.dtype != dtype and not keeps_every_value(a.dtype, dtype):
             raise UnsupportedOperandError(
                 f"a chunk has dtype {a.dtype}, but the Dask array declares {dtype}: a pgas rechunk moves the "
                 f"array's dtype, and casting {a.dtype} to {dtype} can lose data. Declare the chunks' real dtype "
                 "(map_blocks(..., dtype=...)), cast them first (x.astype(...)), or rechunk with method='tasks'"
             )
+
+
+def copy_piece(dst: Any, dst_slices: tuple, chunk: Any, chunk_slices: tuple) -> None:
+    """``dst[dst_slices] = chunk[chunk_slices]``, refusing a chunk smaller than its array's chunks declare (a
+    ``map_blocks`` whose blocks differ from the chunks it declared), which the assignment would broadcast into
+    made-up values."""
+    part, region = chunk[chunk_slices], dst[dst_slices]
+    if part.shape != region.shape:
+        need = tuple(s.stop for s in chunk_slices)
+        raise UnsupportedOperandError(
+            f"a chunk has shape {tuple(chunk.shape)}, but the Dask array's chunks need at least {need} there: a "
+            "pgas rechunk would fill the rest with made-up values. Make the blocks match the chunks the array "
+            "declares (map_blocks(..., chunks=...)), or rechunk with method='tasks'"
+        )
+    region[...] = part
+
+
+def keeps_every_value(src: Any, dst: Any) -> bool:
+    """Whether casting ``src`` to ``dst`` (NumPy dtypes) keeps every value: NumPy's "safe" casting, less the
+    casts it counts as safe that are not: an integer into a float (or complex) whose mantissa is narrower than
+    it (int64 into float64 rounds above 2**53), and a datetime or timedelta into another unit (a finer one
+    overflows). Structured dtypes field by field, subarrays by their base."""
+    import numpy as np
+
+    src, dst = np.dtype(src), np.dtype(dst)
+    if np.can_cast(src, dst, casting="equiv"):  # the same, or another byte order
+        return True
+    if src.subdtype is not None or dst.subdtype is not None:
+        if src.subdtype is None or dst.subdtype is None or src.subdtype[1] != dst.subdtype[1]:
+            return False
+        return keeps_every_value(src.subdtype[0], dst.subdtype[0])
+    if src.names is not None or dst.names is not None:
+        return (src.names == dst.names
+                and all(keeps_every_value(src.fields[n][0], dst.fields[n][0]) for n in src.names))
+    if not np.can_cast(src, dst, casting="safe"):
+        return False
+    if src.kind in "mM" or dst.kind in "mM":
+        return False  # (other units: "equiv" above took the same unit)
+    if src.kind in "iu" and dst.kind in "fc":
+        digits = np.finfo(dst).nmant + 1  # (a complex dtype's finfo is its components')
+        return src.itemsize * 8 - (src.kind == "i") <= digits
+    return True
 
 
 def _gpu_identity() -> dict:

@@ -258,8 +258,25 @@ def test_chunks_of_another_dtype_are_cast_only_when_no_value_is_lost(client, loc
             dask_pgas.rechunk(lying, (5, 12)).compute()
         narrow = x.map_blocks(lambda b: b.astype("float32"), dtype="float64")  # widened: every value kept
         got = dask_pgas.rechunk(narrow, (5, 12)).compute()
+        # NumPy counts int64 -> float64 as "safe", but it rounds above 2**53: 2**53 + 1 came back as 2**53
+        big = on_device(da.from_array(np.arange(2**53, 2**53 + 240).reshape(20, 12), chunks=(20, 4)))
+        with pytest.raises(Exception, match="casting int64 to float64 can lose data"):
+            dask_pgas.rechunk(big.map_blocks(lambda b: b, dtype="float64"), (5, 12)).compute()
     assert got.dtype == np.float64
     np.testing.assert_array_equal(host(got), ref)
+    assert dask_pgas.world(client).broken is None
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_chunks_smaller_than_declared_are_refused(client, local):
+    """A map_blocks whose blocks are narrower than the chunks it declares: the copies broadcast a (20, 1) block
+    over the declared (20, 4), making up values where Dask's rechunk gives a visibly wrong shape."""
+    x = on_device(da.from_array(np.arange(240.0).reshape(20, 12), chunks=(20, 4)))
+    thin = x.map_blocks(lambda b: b[:, :1])  # declares (20, 4) blocks, returns (20, 1)
+    with dask.config.set({"pgas.local-rechunk": local}):
+        with pytest.raises(Exception, match=r"a chunk has shape \(20, 1\), but the Dask array's chunks need"):
+            dask_pgas.rechunk(thin, (5, 12)).compute()
+        np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (5, 12)).compute()), np.arange(240.0).reshape(20, 12))
     assert dask_pgas.world(client).broken is None
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 pytest.importorskip("distributed")
@@ -300,3 +301,21 @@ def test_teardown_drops_every_run_and_staged_input(plugin, monkeypatch):
     plugin._teardown()
     assert not plugin._staged and not plugin._done and not plugin._dropped and not plugin._run_of
     assert plugin.epoch is None and plugin.pe is None
+
+
+@pytest.mark.parametrize("src, dst, keeps", [
+    ("f4", "f8", True), (">f8", "<f8", True), ("i4", "i8", True), ("u4", "i8", True), ("b1", "f2", True),
+    ("i4", "f8", True), ("u4", "f8", True), ("i2", "f4", True), ("u1", "f2", True), ("S5", "S7", True),
+    ("f8", "c16", True), ("M8[s]", ">M8[s]", True),
+    ("f8", "f4", False), ("f8", "i4", False), ("U3", "U2", False), ("u8", "i8", False),
+    # NumPy's "safe", yet values change: integers past the float's mantissa, dates into another unit
+    ("i8", "f8", False), ("u8", "f8", False), ("i8", "c16", False), ("i4", "f4", False), ("i2", "f2", False),
+    ("M8[s]", "M8[ns]", False), ("m8[ms]", "m8[us]", False),
+    ([("a", "i4"), ("b", "f4")], [("a", "f8"), ("b", "f8")], True),
+    ([("a", "i8"), ("b", "f4")], [("a", "f8"), ("b", "f8")], False),
+    ([("a", "i4")], [("b", "i8")], False), (("i4", (2,)), ("f8", (2,)), True), (("i8", (2,)), ("f8", (2,)), False),
+])
+def test_casts_that_keep_every_value(src, dst, keeps):
+    from dask_pgas.integration._worker_plugin import keeps_every_value
+
+    assert keeps_every_value(np.dtype(src), np.dtype(dst)) is keeps
