@@ -271,7 +271,7 @@ class Reshape:
         self._plan: ReshapePlan | None = None
         self._results: list[Any] = []
         self._freed = False
-        self._released = False
+        self._released: str | bool = False  # or what dropped the operand
         self._pending: Any = _NO_OPERAND
         control = _control_plane()
         desc, engine, parsed = self._describe(operand, input_box, output_box, options)
@@ -617,10 +617,13 @@ class Reshape:
         if self._released or self._freed:
             self.logger.debug("the operand was released already; nothing to do")
             return
+        self._drop_operand("release_operand()")
+
+    def _drop_operand(self, why: str) -> None:
         self._source = self._operand = None
         self._tracked = None
         self._pending = _NO_OPERAND
-        self._released = True
+        self._released = why
 
     def execute(self, stream: Any = None, release_workspace: bool = False, sync_symmetric_memory: bool = True) -> Any:
         """Run the reshape (collective) and return this rank's output box as a new array.
@@ -640,7 +643,7 @@ class Reshape:
             elif self._released:
                 error = (
                     RuntimeStateError,
-                    "execute() cannot run after release_operand(); give a new operand with reset_operand() first",
+                    f"execute() cannot run after {self._released}; give a new operand with reset_operand() first",
                 )
             elif self._pending is not _NO_OPERAND:  # reset_operand_unchecked: checked here, as reset_operand does
                 error, vetted = self._vet(self._pending)
@@ -678,7 +681,8 @@ class Reshape:
             self._agree_call(_control_plane(), error, "execute", sync)
         except BaseException:
             if self._pending is not _NO_OPERAND:  # an unchecked reset that did not pass: dropped (see there)
-                self.release_operand()
+                self._drop_operand("the execute() that refused the operand of reset_operand_unchecked() (it was "
+                                   "dropped)")
             raise
         if vetted is not None:
             self._adopt(vetted)  # (its conforming copy, if any, was made from the operand just now)
