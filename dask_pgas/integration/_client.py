@@ -176,7 +176,10 @@ def teardown(client=None) -> dict[str, int]:
     # through the client's stream, behind the graphs it sent: the scheduler checks for rechunks still to run
     # only once it has handled them (the call itself could overtake a graph submitted just before)
     fence = f"pgas-fence-{uuid.uuid4().hex}"
-    client._send_to_scheduler({"op": "pgas-fence", "token": fence})
+    try:
+        client._send_to_scheduler({"op": "pgas-fence", "token": fence})
+    except Exception as exc:  # (a closed client)
+        raise PGASWorldError(f"the client cannot reach the scheduler ({exc!r}); the world was not torn down") from None
     try:
         result = _ask(client, "pgas_teardown", fence=fence)
     except PGASWorldError as exc:  # the world may be there still

@@ -258,6 +258,14 @@ class LocalMPICluster:
             job down; the world then must be bootstrapped again.
         gpus: one worker per GPU, worker ``k`` seeing GPU ``k mod gpus`` as its device 0 (of this process's
             ``CUDA_VISIBLE_DEVICES`` when set: entry ``k mod gpus`` of it); 0 for CPU workers.
+        dashboard_address: where the scheduler serves Dask's dashboard, as ``LocalCluster`` takes it (``":8787"``,
+            another port when that one is taken; ``":0"`` any port); None: no dashboard. It needs ``bokeh``
+            (``pip install bokeh``); without it the scheduler runs without one and :attr:`dashboard_link` is
+            empty.
+
+    Not a ``distributed.deploy.Cluster``: besides ``Client(cluster)`` it offers ``scheduler_address``,
+    ``dashboard_link``, ``get_logs()`` / ``logs()``, ``close()``, ``world``, and ``scale``/``adapt`` only to
+    refuse another size.
     """
 
     def __init__(
@@ -273,6 +281,7 @@ class LocalMPICluster:
         timeout: float = 120.0,
         restart_workers: bool = True,
         gpus: int = 0,
+        dashboard_address: str | None = ":8787",
     ) -> None:
         if memory_limit is None:  # Dask counts CuPy chunks as host memory: no host limit to spill them by
             memory_limit = "0" if gpus else "auto"
@@ -296,12 +305,13 @@ class LocalMPICluster:
             raise ValueError(f"env must map variable names to strings, got {dict(bad_env)!r} (write numbers as "
                              "'1', not 1)")
         self.n_workers = n_workers
+        self._dashboard_address = dashboard_address
         self.status = Status.created
         self.world = None
         self.restarts = 0
         self._restart_workers = restart_workers
         self._watcher: threading.Thread | None = None
-        self._closed_logs: str | None = None
+        self._closed_logs: dict[str, str] | None = None
         self._dir = tempfile.mkdtemp(prefix="dask-pgas-cluster-")
         self.scheduler_file = os.path.join(self._dir, "scheduler.json")
         self._env = {**os.environ, **_inherited_config(), **(env or {})}
@@ -321,7 +331,8 @@ class LocalMPICluster:
             self._scheduler = self._spawn(
                 "scheduler",
                 [sys.executable, "-m", "distributed.cli.dask_scheduler", "--scheduler-file", self.scheduler_file,
-                 "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+                 "--host", "127.0.0.1", "--port", "0",
+                 *(("--dashboard-address", dashboard_address) if dashboard_address else ("--no-dashboard",)),
                  "--preload", "dask_pgas.integration._orphan_guard"],
                 {**self._env, _orphan_guard.DIR_ENV: self._dir},  # removed by the scheduler if orphaned
             )
@@ -444,7 +455,18 @@ class LocalMPICluster:
 
     @property
     def dashboard_link(self) -> str:
-        return ""  # (the scheduler runs without a dashboard)
+        """The dashboard's address (Dask's ``distributed.dashboard.link`` template), or "" without one."""
+        import importlib.util
+
+        from distributed.utils import format_dashboard_link
+
+        # (the scheduler's HTTP server, named "dashboard", also runs without bokeh, serving only /health and
+        # /metrics; the scheduler runs in this environment, so it has bokeh where this process has it)
+        port = getattr(self, "_info", {}).get("services", {}).get("dashboard")
+        if not port or self._dashboard_address is None or importlib.util.find_spec("bokeh") is None:
+            return ""
+        return format_dashboard_link("127.0.0.1", port)
+
 
     def scale(self, n: int) -> None:
         """The workers are the ranks of one MPI job: only their number is accepted."""
@@ -460,17 +482,23 @@ class LocalMPICluster:
             "a LocalMPICluster's workers are the ranks of one MPI job of a fixed size: it cannot adapt"
         )
 
-    def logs(self) -> str:
-        """The scheduler's and the worker jobs' output (after ``close()``: what it was then, the last MiB each)."""
+    def get_logs(self) -> dict[str, str]:
+        """The scheduler's and the worker jobs' output by process, as ``distributed.deploy.Cluster.get_logs``
+        gives it: ``"scheduler"``, ``"workers"``, then ``"workers-1"``... for restarted jobs (after ``close()``:
+        what it was then, the last MiB each)."""
         if self._closed_logs is not None:
-            return self._closed_logs
-        out = []
+            return dict(self._closed_logs)
+        out = {}
         for name in ("scheduler", "workers", *(f"workers-{i}" for i in range(1, self.restarts + 1))):
             try:
-                out.append(f"--- {name} ---\n{_read_log(os.path.join(self._dir, f'{name}.log'))}")
+                out[name] = _read_log(os.path.join(self._dir, f"{name}.log"))
             except OSError:
                 pass
-        return "\n".join(out)
+        return out
+
+    def logs(self) -> str:
+        """:meth:`get_logs` as one text, each process's output under a ``--- name ---`` line."""
+        return "\n".join(f"--- {name} ---\n{text}" for name, text in self.get_logs().items())
 
     def worker_pids(self) -> list[int]:
         """PIDs of the MPI worker processes (children of mpiexec)."""
@@ -518,7 +546,7 @@ class LocalMPICluster:
         finally:
             try:
                 _kill(self._procs, self._logs, self._shm)
-                self._closed_logs = self.logs()
+                self._closed_logs = self.get_logs()
             finally:
                 self._finalizer()
                 self.status = Status.closed
@@ -570,6 +598,8 @@ class LocalMPICluster:
             ("Scheduler", getattr(self, "_info", {}).get("address", "?")),
             ("Workers", f"{self.n_workers} MPI ranks" + (f" ({self.restarts} restarts)" if self.restarts else "")),
             ("Status", self.status.name),
+            ("Dashboard", self.dashboard_link or ("off" if self._dashboard_address is None
+                                                  else "not running (it needs bokeh)")),
             ("PGAS world at start", "not bootstrapped" if self.world is None else
              f"#{self.world.epoch}, {self.world.npes} PEs, {', '.join(self.world.backends)}"),
         ]

@@ -171,3 +171,31 @@ def test_auto_memory_limit_shares_the_machine_among_the_workers(client):
     limits = list(client.run(lambda dask_worker: dask_worker.memory_manager.memory_limit).values())
     share = parse_memory_limit("auto", 1, NWORKERS, logger=logging.getLogger(__name__))
     assert limits == [share] * NWORKERS, (limits, share)
+
+
+@pytest.mark.parametrize("address", [":0", None])
+def test_dashboard_and_logs_as_local_cluster_gives_them(address):
+    """The scheduler ran with --no-dashboard, always: no dashboard for notebook users. It now serves one where
+    LocalCluster would (bokeh installed), at ``dashboard_link``; ``dashboard_address=None`` turns it off.
+    ``get_logs()`` gives the processes' output by name, as distributed's clusters do."""
+    import importlib.util
+    import urllib.request
+
+    from distributed import Client
+
+    with dask_pgas.LocalMPICluster(n_workers=1, dashboard_address=address, bootstrap=False) as cluster, \
+            Client(cluster) as client:
+        html = client._repr_html_()
+        if address is None:
+            assert cluster.dashboard_link == "" and "off" in cluster._repr_html_()
+        elif importlib.util.find_spec("bokeh") is None:
+            assert cluster.dashboard_link == "" and "it needs bokeh" in cluster._repr_html_()
+        else:
+            link = cluster.dashboard_link
+            assert link.startswith("http://127.0.0.1:") and link in html, (link, html)
+            with urllib.request.urlopen(link, timeout=30) as page:
+                assert page.status == 200
+        logs = cluster.get_logs()
+        assert set(logs) == {"scheduler", "workers"} and "Scheduler at" in logs["scheduler"], list(logs)
+        assert cluster.logs().startswith("--- scheduler ---\n")
+    assert set(cluster.get_logs()) == {"scheduler", "workers"}  # (as they were at close)

@@ -128,6 +128,9 @@ class _DeafClient:
     def run_on_scheduler(self, func):
         return True
 
+    def _send_to_scheduler(self, msg):  # (teardown's fence; the stream itself is fine)
+        pass
+
     def sync(self, func, **kwargs):
         raise self.exc
 
@@ -162,6 +165,26 @@ def test_teardown_that_loses_the_scheduler_does_not_say_there_is_no_world():
     with pytest.raises(PGASWorldError, match=r"does not answer .*the world was not torn down") as info:
         teardown(client)
     assert "no PGAS world" not in str(info.value)
+
+
+def test_teardown_from_a_closed_client_says_so():
+    """The fence teardown sends through the client's stream first: a closed client cannot send it."""
+    from distributed.client import ClosedClientError
+
+    from dask_pgas.errors import PGASWorldError
+    from dask_pgas.integration import teardown
+
+    class Closed(_DeafClient):
+        def sync(self, func, **kwargs):
+            return {"epoch": 1, "workers": ["w0"], "backends": ["mpi"], "broken": None}
+
+        def _send_to_scheduler(self, msg):
+            raise ClosedClientError("Client is closed. Can't send pgas-fence message.")
+
+    client = Closed(None)
+    client.scheduler.pgas_world = object()
+    with pytest.raises(PGASWorldError, match=r"cannot reach the scheduler .*the world was not torn down"):
+        teardown(client)
 
 
 @pytest.mark.parametrize(
