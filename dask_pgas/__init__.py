@@ -10,6 +10,7 @@ The PGAS core mirrors ``nvmath.distributed``::
     dask_pgas.finalize()
 """
 
+from . import _defaults as _defaults  # (registers the pgas.* Dask config defaults)
 from . import distribution, errors, process_group, reshape
 from ._version import __version__
 from .distribution import Box, Slab

@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 from collections.abc import Callable
 from typing import Any
 
 import dask
-import yaml
 from dask.utils import parse_bytes, parse_timedelta
 
 __all__ = ["DEFAULTS", "check_all", "duration", "problem", "setting"]
 
-with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "pgas.yaml")) as _f:
-    DEFAULTS: dict = yaml.safe_load(_f)  # {"pgas": {...}}, registered with Dask by the integration's import
+from .._defaults import DEFAULTS  # (registered with Dask on ``import dask_pgas``)
 
 
 def duration(value: Any, what: str) -> float:

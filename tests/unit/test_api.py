@@ -56,8 +56,9 @@ def test_integration_names_are_listed_but_loaded_on_first_use():
     import sys
 
     code = (
-        "import sys, dask_pgas\n"
+        "import sys, dask, dask_pgas\n"
         "assert 'distributed' not in sys.modules\n"
+        "assert dask.config.get('pgas.fallback') == 'raise'  # the pgas.* defaults, as Dask's packages register theirs\n"
         "names = ('LocalMPICluster', 'World', 'bootstrap', 'install', 'rechunk', 'teardown', 'uninstall', 'world')\n"
         "assert set(names) <= set(dir(dask_pgas)) and set(names) <= set(dask_pgas.__all__)\n"
         "assert 'distributed' not in sys.modules\n"
