@@ -387,14 +387,24 @@ def free_symmetric_memory(*arrays: Any) -> None:
                 f"ranks free different allocations (allocation numbers by rank: {seqs}); every rank must free "
                 "its arrays of the same allocations in the same order"
             )
-        # all forgotten first: a free that raises DeviceError (on every rank: the engine is broken for good, and
-        # none of these can be freed any more) leaves none of them registered, so finalize() is not refused
-        for rec, array in zip(records, arrays):
-            _forget(rec)
-            for a in _chain(array):  # (views of it may name it, or only an array it was made from)
-                _freed[id(a)] = weakref.ref(a, functools.partial(_drop_freed, id(a)))
-        for rec in records:
-            rec.engine.free(rec.allocation)
+        for i, (rec, array) in enumerate(zip(records, arrays)):
+            _forget_as_freed(rec, array)
+            try:
+                rec.engine.free(rec.allocation)
+            except BaseException:
+                # a device error (raised on every rank: the engine is broken for good) leaves none of the broken
+                # engine's arrays of this call registered: they can never be freed, and finalize() must not wait
+                # for them; the others stay registered, to be freed again
+                for later, other in zip(records[i + 1:], arrays[i + 1:]):
+                    if later.engine.broken:
+                        _forget_as_freed(later, other)
+                raise
+
+
+def _forget_as_freed(rec: _Record, array: Any) -> None:
+    _forget(rec)
+    for a in _chain(array):  # (views of it may name it, or only an array it was made from)
+        _freed[id(a)] = weakref.ref(a, functools.partial(_drop_freed, id(a)))
 
 
 def _drop_freed(key: int, _ref: weakref.ref) -> None:

@@ -517,7 +517,12 @@ class NVSHMEMEngine(Engine):
         from .mpi import MPIControl
 
         comm = communicator
-        hosts = comm.allgather(socket.gethostname())
+        # (first: a process where NVSHMEM was left up must not touch the device again, not even to make rank 0's
+        # unique id, and every rank refuses alike)
+        everyone = comm.allgather((socket.gethostname(), _left_up_by))
+        _raise_unavailable([(r, f"NVSHMEM was left initialized in this process {why}; restart the process")
+                            for r, (_, why) in enumerate(everyone) if why])
+        hosts = [host for host, _ in everyone]
         apply_env_defaults(single_node=len(set(hosts)) == 1)
         local = comm.Split_type(MPI.COMM_TYPE_SHARED)  # collective: on every rank, whether or not it needs it
         local_rank = local.Get_rank()

@@ -171,17 +171,20 @@ def teardown(client=None) -> dict[str, int]:
     Returns the symmetric bytes each worker still holds afterwards (all zero when clean).
     """
     client = _client(client, "teardown")
-    if scheduler_world(client) is None:
+    described = scheduler_world(client)
+    if described is None:
         raise PGASWorldError("no PGAS world to tear down: dask_pgas.bootstrap(client) never ran on this cluster")
     # through the client's stream, behind the graphs it sent: the scheduler checks for rechunks still to run
-    # only once it has handled them (the call itself could overtake a graph submitted just before)
-    fence = f"pgas-fence-{uuid.uuid4().hex}"
+    # only once it has handled them (the call itself could overtake a graph submitted just before). Only to a
+    # plugin that handles it: an unknown stream message makes the scheduler drop this client's stream.
+    fence = f"pgas-fence-{uuid.uuid4().hex}" if described.get("fence") else None
     try:
-        client._send_to_scheduler({"op": "pgas-fence", "token": fence})
+        if fence is not None:
+            client._send_to_scheduler({"op": "pgas-fence", "token": fence})
     except Exception as exc:  # (a closed client)
         raise PGASWorldError(f"the client cannot reach the scheduler ({exc!r}); the world was not torn down") from None
     try:
-        result = _ask(client, "pgas_teardown", fence=fence)
+        result = _ask(client, "pgas_teardown", **({"fence": fence} if fence is not None else {}))
     except PGASWorldError as exc:  # the world may be there still
         raise PGASWorldError(f"{exc}; the world was not torn down") from None
     except Exception as exc:

@@ -299,6 +299,9 @@ class LocalMPICluster:
             mpiexec_args = (mpiexec_args,)
         if not all(isinstance(a, str) for a in mpiexec_args):
             raise ValueError(f"mpiexec_args must be strings (a sequence, or one string), got {mpiexec_args!r}")
+        if dashboard_address is not None and not isinstance(dashboard_address, str):
+            raise ValueError(f"dashboard_address must be a string such as ':8787' (or None for no dashboard), got "
+                             f"{dashboard_address!r}")
         bad_env = [(k, v) for k, v in (env or {}).items()
                    if not (isinstance(k, str) and isinstance(v, (str, bytes, os.PathLike)))]
         if bad_env:
@@ -463,7 +466,7 @@ class LocalMPICluster:
         # (the scheduler's HTTP server, named "dashboard", also runs without bokeh, serving only /health and
         # /metrics; the scheduler runs in this environment, so it has bokeh where this process has it)
         port = getattr(self, "_info", {}).get("services", {}).get("dashboard")
-        if not port or self._dashboard_address is None or importlib.util.find_spec("bokeh") is None:
+        if not port or not self._dashboard_address or importlib.util.find_spec("bokeh") is None:
             return ""
         return format_dashboard_link("127.0.0.1", port)
 
@@ -483,9 +486,10 @@ class LocalMPICluster:
         )
 
     def get_logs(self) -> dict[str, str]:
-        """The scheduler's and the worker jobs' output by process, as ``distributed.deploy.Cluster.get_logs``
-        gives it: ``"scheduler"``, ``"workers"``, then ``"workers-1"``... for restarted jobs (after ``close()``:
-        what it was then, the last MiB each)."""
+        """The scheduler's and the worker jobs' output by process: ``"scheduler"``, ``"workers"`` (the MPI job's
+        ranks together), then ``"workers-1"``... for restarted jobs (after ``close()``: what it was then, the last
+        MiB each). Like ``distributed.deploy.Cluster.get_logs``, a dict of texts, but keyed by process, not by
+        ``"Scheduler"`` and worker address."""
         if self._closed_logs is not None:
             return dict(self._closed_logs)
         out = {}
@@ -598,7 +602,7 @@ class LocalMPICluster:
             ("Scheduler", getattr(self, "_info", {}).get("address", "?")),
             ("Workers", f"{self.n_workers} MPI ranks" + (f" ({self.restarts} restarts)" if self.restarts else "")),
             ("Status", self.status.name),
-            ("Dashboard", self.dashboard_link or ("off" if self._dashboard_address is None
+            ("Dashboard", self.dashboard_link or ("off" if not self._dashboard_address
                                                   else "not running (it needs bokeh)")),
             ("PGAS world at start", "not bootstrapped" if self.world is None else
              f"#{self.world.epoch}, {self.world.npes} PEs, {', '.join(self.world.backends)}"),

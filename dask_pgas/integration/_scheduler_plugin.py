@@ -150,6 +150,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             "backends": list(self.backends),
             "broken": self.broken,
             "active_runs": self._active(),
+            "fence": True,  # (teardown's fence is handled: a scheduler without the handler drops the client)
         }
 
     async def describe_world(self, detail: bool = False, keys: list | None = None) -> dict:
@@ -385,6 +386,8 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         """(a client's stream) Every message that client sent before this one has been handled: the stream's
         handlers run one after the other, ``update-graph`` included, so its graphs are on the scheduler now."""
         self._fences.setdefault(token, asyncio.Event()).set()
+        while len(self._fences) > 64:  # (fences whose teardown never came, or came and gave up: the oldest go)
+            del self._fences[next(iter(self._fences))]
 
     async def teardown(self, fence: str | None = None) -> dict:
         """``fence``: a token the client sent through its stream right before this call (which travels on another

@@ -274,8 +274,10 @@ def test_chunks_smaller_than_declared_are_refused(client, local):
     x = on_device(da.from_array(np.arange(240.0).reshape(20, 12), chunks=(20, 4)))
     thin = x.map_blocks(lambda b: b[:, :1])  # declares (20, 4) blocks, returns (20, 1)
     with dask.config.set({"pgas.local-rechunk": local}):
-        with pytest.raises(Exception, match=r"a chunk has shape \(20, 1\), but the Dask array's chunks need"):
-            dask_pgas.rechunk(thin, (5, 12)).compute()
+        # (5, 12) moves data between PEs; (10, 4) stays on each PE: a local plan's tasks where local is on
+        for chunks in ((5, 12), (10, 4)):
+            with pytest.raises(Exception, match=r"a chunk has shape \(20, 1\), but the Dask array's chunks need"):
+                dask_pgas.rechunk(thin, chunks).compute()
         np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (5, 12)).compute()), np.arange(240.0).reshape(20, 12))
     assert dask_pgas.world(client).broken is None
 

@@ -98,6 +98,7 @@ def test_bootstrap_warns_when_an_intact_world_has_other_backends(caplog):
     ({"mpiexec_args": ("-n", 2)}, "mpiexec_args must be strings"),
     ({"mpiexec_args": None}, "mpiexec_args must be strings"),
     ({"mpiexec_args": (a for a in ("-v", 3))}, "mpiexec_args must be strings"),  # a generator, read once
+    ({"dashboard_address": 8787}, "dashboard_address must be a string such as ':8787'"),
 ])
 def test_bad_arguments_are_refused_before_anything_starts(kwargs, message, monkeypatch):
     """Each used to start a scheduler and an MPI job first, then fail with a worker's traceback, or start
@@ -175,7 +176,7 @@ def test_teardown_from_a_closed_client_says_so():
 
     class Closed(_DeafClient):
         def sync(self, func, **kwargs):
-            return {"epoch": 1, "workers": ["w0"], "backends": ["mpi"], "broken": None}
+            return {"epoch": 1, "workers": ["w0"], "backends": ["mpi"], "broken": None, "fence": True}
 
         def _send_to_scheduler(self, msg):
             raise RuntimeError("Client is closed. Can't send pgas-fence message.")

@@ -7,9 +7,10 @@ context) while every rank holds symmetric arrays and a planned reshape. Then, on
 - the next collective free raises ``DeviceError`` naming the last rank, instead of leaving the healthy PEs inside
   ``nvshmem_free`` (the agreement before every collective free);
 - every later call of the engine raises ``DeviceError`` too: an allocation, the reshape's ``execute()`` and
-  (with a cuFFTMp plan, whose destroy is collective) ``free()``, a second free;
-- ``finalize()`` returns, although arrays of the broken engine are still referenced, and runs nothing collective
-  on the device; ``initialize()`` afterwards is refused with a message that says to restart the process.
+  (with a cuFFTMp plan, whose destroy is collective) ``free()``;
+- a free of two arrays leaves neither registered; ``finalize()`` returns, although two arrays of the broken engine
+  are still referenced, and runs nothing collective on the device; ``initialize()`` afterwards is refused with a
+  message that says to restart the process.
 
 Prints ``CHECK name ok|FAIL ...`` per step (rank 0) and ``OK rank=R`` at the end on every rank; the caller runs
 it under a timeout, so a hang fails. The processes then exit with NVSHMEM left up (the broken context cannot
@@ -74,7 +75,7 @@ def main() -> None:
     cols = [Box((0, n * r // SIZE), (8, n * (r + 1) // SIZE)) for r in range(SIZE)]
     rows = [Box((8 * r // SIZE, 0), (8 * (r + 1) // SIZE, n)) for r in range(SIZE)]
     a = dask_pgas.allocate_symmetric_memory(cols[RANK].box_shape, cp, dtype="float64")
-    b = dask_pgas.allocate_symmetric_memory((n,), cp, dtype="float64")
+    b, c, d = (dask_pgas.allocate_symmetric_memory((n,), cp, dtype="float64") for _ in range(3))
     a[...] = RANK
     r = Reshape(a, cols[RANK], rows[RANK])
 
@@ -99,8 +100,14 @@ def main() -> None:
 
     check("fault-on-the-last-rank", fault)
     message = []
-    check("free-raises-device-error-everywhere",
-          lambda: message.append(raises_device_error(lambda: dask_pgas.free_symmetric_memory(b))))
+
+    def free_raises():
+        before = dask_pgas.heap_usage()["allocations"]
+        message.append(raises_device_error(lambda: dask_pgas.free_symmetric_memory(b, d)))
+        after = dask_pgas.heap_usage()["allocations"]  # neither b nor d stays registered: they cannot be freed
+        assert after == before - 2, (before, after)
+
+    check("free-raises-device-error-everywhere", free_raises)
     if RANK == 0 and message:
         print(f"INFO DeviceError: {message[0]}", flush=True)
 
@@ -112,15 +119,15 @@ def main() -> None:
             raises_device_error(r.free)
         else:  # (1 PE: a local copy plan, nothing collective to free)
             r.free()
-        raises_device_error(lambda: dask_pgas.free_symmetric_memory(a))
         if RANK == 0:
             print(f"INFO heap usage after the refused calls: {dask_pgas.heap_usage('nvshmem')}", flush=True)
 
     check("every-later-call-raises-device-error", engine_refuses)
 
     def finalize():
-        dask_pgas.finalize()  # ``a`` is still referenced (the reshape's operand): not refused
-        assert not dask_pgas.is_initialized()
+        assert a.size and c.size  # both still referenced, never freed: finalize() neither refuses nor frees them
+        dask_pgas.finalize()
+        assert not dask_pgas.is_initialized() and dask_pgas.heap_usage()["allocations"] == 0
 
     check("finalize-returns", finalize)
 
