@@ -470,7 +470,6 @@ class LocalMPICluster:
             return ""
         return format_dashboard_link("127.0.0.1", port)
 
-
     def scale(self, n: int) -> None:
         """The workers are the ranks of one MPI job: only their number is accepted."""
         if n != self.n_workers:

@@ -16,9 +16,9 @@ from typing import Any
 import dask
 from dask.utils import parse_bytes, parse_timedelta
 
-__all__ = ["DEFAULTS", "check_all", "duration", "problem", "setting"]
-
 from .._defaults import DEFAULTS  # (registered with Dask on ``import dask_pgas``)
+
+__all__ = ["DEFAULTS", "check_all", "duration", "problem", "setting"]
 
 
 def duration(value: Any, what: str) -> float:
