@@ -658,13 +658,9 @@ class NVSHMEMEngine(Engine):
         every PE raises :class:`DeviceError`, and from then on at every call of this engine. The agreement is
         named, so that a PE freeing alone meets the others' other steps as a mismatch, not as a match."""
         self._refuse_if_broken()
-        error = None
-        try:
-            self.drv.ctx_synchronize()
-        except Exception as exc:  # reported to every PE, never raised alone
-            error = f"{type(exc).__name__}: {exc}"
         # named like a call (not a step): every PE compares the name, a PE whose synchronize failed too
-        if bad := self.control.agree(error, "synchronizing the device before a collective free"):
+        if bad := _step_errors(self.control, self.drv.ctx_synchronize,
+                               "synchronizing the device before a collective free"):
             self._broken = (f"the device failed on rank {bad[0][0]} before a collective free ({bad[0][1]}); this "
                             "world cannot be used any more: finalize, then restart the processes to use their GPUs")
             raise DeviceError(self._broken)
@@ -1085,15 +1081,21 @@ def _trace(rank: int, msg: str) -> None:
         print(f"[dask_pgas nvshmem pe {rank}] {msg}", file=sys.stderr, flush=True)
 
 
-def _agreed(control: ControlPlane, what: str, step: Callable[[], Any]) -> None:
-    """Run ``step`` on every rank, then raise the same :class:`CollectiveError` everywhere if it failed on any rank
-    (``control.agree``). A rank whose step failed must not go on to a collective alone: agree before each one."""
+def _step_errors(control: ControlPlane, step: Callable[[], Any], call: str | None = None) -> list[tuple[int, str]]:
+    """Run ``step`` on every rank and agree on the outcome (``control.agree``, named ``call`` when given): the
+    ranks whose step failed, with their errors, the same list everywhere; empty when it passed on every rank."""
     error = None
     try:
         step()
     except Exception as exc:  # reported to all ranks, never raised alone
         error = f"{type(exc).__name__}: {exc}"
-    if bad := control.agree(error):
+    return control.agree(error, call)
+
+
+def _agreed(control: ControlPlane, what: str, step: Callable[[], Any]) -> None:
+    """Run ``step`` on every rank, then raise the same :class:`CollectiveError` everywhere if it failed on any rank.
+    A rank whose step failed must not go on to a collective alone: agree before each one."""
+    if bad := _step_errors(control, step):
         raise CollectiveError(f"{what} failed on rank {bad[0][0]}: {bad[0][1]}")
 
 
