@@ -105,26 +105,15 @@ def bare_exchange_seconds(client, n: int, repeats: int, timeout: float = 300.0) 
 
     Raises ``TimeoutError`` after ``timeout`` seconds: a rank whose call raised inside the timed loop leaves its
     peers in the collective (bare MPI has no agreement there), and the benchmark must fail, not wait."""
-    import concurrent.futures
-    import threading
+    import asyncio
 
-    done: concurrent.futures.Future = concurrent.futures.Future()
-
-    def call() -> None:  # (a daemon thread: one stuck in client.run never holds the interpreter's exit)
-        try:
-            done.set_result(client.run(_on_collective_thread, _bare_exchanges, n, repeats))
-        except BaseException as exc:
-            done.set_exception(exc)
-
-    threading.Thread(target=call, name="bare-exchanges", daemon=True).start()
-    try:
-        per_worker = list(done.result(timeout=timeout).values())
-    except concurrent.futures.TimeoutError:
-        if done.done():  # (client.run's own TimeoutError: since Python 3.11 the same class)
-            raise
+    try:  # (client.run, with distributed's own deadline on the call)
+        per_worker = list(client.sync(client._run, _on_collective_thread, _bare_exchanges, n, repeats,
+                                      callback_timeout=timeout).values())
+    except (TimeoutError, asyncio.TimeoutError) as exc:  # (one class since Python 3.11)
         raise TimeoutError(f"the bare exchanges did not end on every worker within {timeout:.0f} s (a rank's call "
                            "raised, or the MPI is stuck): their collective threads are blocked; close the "
-                           "cluster") from None
+                           "cluster") from exc
     return {how: statistics.median(max(w[how][i] for w in per_worker) for i in range(repeats))
             for how in per_worker[0]}
 
