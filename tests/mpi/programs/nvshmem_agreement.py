@@ -789,7 +789,6 @@ case("plugin: copying the result out fails on one PE", copy_out_fails_on_one_ran
 case("plugin: no leak after the failed copy", no_leak)
 
 
-
 def device_error_in_growth():
     """The staging buffers grow, and freeing the old one finds the last rank's device broken: every PE raises
     DeviceError, which is fatal for the world (not the non-fatal "cannot grow, give the workers more room")."""
@@ -811,19 +810,27 @@ case("plugin: (the processes restart)", restart)
 case("plugin: no leak after the device error", no_leak)
 
 
-def finalize_with_device_error():
+def finalize_with_device_error(syncs_ok: int = 0):
     """finalize() finds the last rank's device broken: every rank raises DeviceError, nothing collective runs
-    on the device (NVSHMEM is not finalized), and the runtime is down."""
+    on the device (NVSHMEM is not finalized), and the runtime is down. With ``syncs_ok``, finalize()'s first
+    look at the device passes, but a plan's free finds it broken (a kernel failed in between): the plans left
+    are abandoned, the same way."""
     global LEFT_INITIALIZED
+    r = None
+    if syncs_ok:
+        r = dask_pgas.Reshape(np.zeros(col().box_shape), col(), row())
+        r.plan()
     if RANK == LAST:
-        DRV.fail = "sync"
+        DRV.fail, DRV.syncs_ok = "sync", syncs_ok
     LEFT_INITIALIZED += 1
     finalizes = NV.calls["finalize"]
     try:
         dask_pgas.finalize()
     finally:
+        DRV.syncs_ok = 0
         assert NV.calls["finalize"] == finalizes, "NVSHMEM was finalized with a broken device"
         assert not dask_pgas.is_initialized()
+        del r
 
 
 def initialize_after_the_device_error():
@@ -866,29 +873,10 @@ def initialize_again():
     ENGINE = get_engine("nvshmem")
 
 
-def finalize_when_a_later_step_fails():
-    """finalize() whose first look at the device passes, but a plan's free finds the last rank's device broken
-    (a kernel failed in between): every rank raises DeviceError, the plans left are abandoned, NVSHMEM is not
-    finalized and a later bring-up is refused."""
-    global LEFT_INITIALIZED
-    r = dask_pgas.Reshape(np.zeros(col().box_shape), col(), row())
-    r.plan()
-    if RANK == LAST:
-        DRV.fail, DRV.syncs_ok = "sync", 1
-    LEFT_INITIALIZED += 1
-    finalizes = NV.calls["finalize"]
-    try:
-        dask_pgas.finalize()
-    finally:
-        DRV.syncs_ok = 0
-        assert NV.calls["finalize"] == finalizes, "NVSHMEM was finalized with a broken device"
-        assert not dask_pgas.is_initialized()
-
-
 case("teardown: the device fails on one rank, with a cached plan and buffers", teardown_with_device_error)
 case("teardown: a later initialize is refused", initialize_after_the_device_error)
 case("teardown: (the processes restart)", initialize_again)
-case("finalize: a plan's free finds the device broken on one rank", finalize_when_a_later_step_fails)
+case("finalize: a plan's free finds the device broken on one rank", lambda: finalize_with_device_error(syncs_ok=1))
 case("finalize: a later initialize is refused after it", initialize_after_the_device_error)
 case("finalize: (the processes restart)", initialize_again)
 case("finalize: the device fails on one rank", finalize_with_device_error)
