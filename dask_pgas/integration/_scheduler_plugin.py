@@ -445,7 +445,10 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         run = self._runs.get(name)
         if run is None:
             if name in self._finished:  # the run has ended already
-                return self._finished[name]
+                result = self._finished[name]
+                if result.get("fatal") is False:  # failed on every PE alike before any data moved: its output
+                    return {"status": "OK", "run": result["run"]}  # tasks raise the PEs' own (agreed) error
+                return result
             ts = self.scheduler.tasks.get("pgas-barrier-" + name[len("pgas-rechunk-"):])
             if ts is None or ts.state != "processing":  # a late call from a barrier task Dask has released
                 return {"status": "error", "message": f"{name} was released before its collective started"}
@@ -563,7 +566,8 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             return {"status": "OK", "run": seq, "seconds": max(i["seconds"] for i in infos)}
         if fatal:
             self._break(f"pgas rechunk {message}")
-        return {"status": "error", "message": message if not fatal else self.broken}
+            return {"status": "error", "message": self.broken}
+        return {"status": "error", "message": message, "fatal": False, "run": seq}
 
     def _left(self, worker: str) -> str:
         """The one error for a lost member, whichever way the scheduler learns of it (its removal, or its

@@ -71,9 +71,54 @@ _RUN_KEYS = ("plan-cache-size", "buffer-growth", "output-pool", "collective-time
 
 
 class _RunError(CollectiveError):
-    """A run failed on every rank together before any data moved (the world stays usable)."""
+    """A run failed on every rank together before any data moved (the world stays usable).
+
+    Where every failing PE raised one class (an :class:`UnsupportedOperandError` for a chunk of the wrong dtype,
+    say), the error is of :func:`agreed_error_class`'s subclass of both, so the client catches it by that class
+    as well as by :class:`CollectiveError`, whichever PE's task reports it."""
 
     fatal = False
+    _also: str | None = None  # the name of the PEs' own class this one also derives from (None: only this)
+
+    def __reduce__(self):  # (a class made at run time: rebuilt by name where it is unpickled)
+        return _rebuild_run_error, (self._also, self.args), self.__dict__ or None
+
+
+_AGREED_CLASSES: dict[str, type[_RunError]] = {}
+
+
+def agreed_error_class(name: str | None) -> type[_RunError]:
+    """The class of a run failure whose failing PEs all raised the exception class called ``name``: a subclass
+    of that class (one of :mod:`dask_pgas.errors` or a builtin exception) and of :class:`_RunError`;
+    :class:`_RunError` itself for None, another name, a :class:`CollectiveError` (a world's failure is not a
+    run's) or a base of :class:`_RunError`."""
+    import builtins
+
+    from .. import errors
+
+    cls = _AGREED_CLASSES.get(name) if name else _RunError
+    if cls is not None:
+        return cls
+    if name in errors.__all__:
+        base = getattr(errors, name)
+    else:
+        base = getattr(builtins, name, None)
+        if not (isinstance(base, type) and issubclass(base, Exception)):
+            return _RunError
+    if issubclass(base, CollectiveError) or issubclass(_RunError, base):  # (their own meaning, or bases of it)
+        return _RunError
+    try:
+        cls = type(name, (base, _RunError), {  # (the base's own __reduce__ or __str__, as OSError's, would win)
+            "__module__": __name__, "__doc__": _RunError.__doc__, "_also": name,
+            "__reduce__": _RunError.__reduce__, "__str__": _RunError.__str__})
+    except TypeError:  # instance layouts that conflict
+        cls = _RunError
+    _AGREED_CLASSES[name] = cls
+    return cls
+
+
+def _rebuild_run_error(name: str | None, args: tuple) -> _RunError:
+    return agreed_error_class(name)(*args)
 
 
 class _CollectiveThread:
@@ -761,7 +806,7 @@ class PGASWorkerPlugin(WorkerPlugin):
                     "before they start) or more free GPU memory"
                 ) from exc
         t0 = time.perf_counter()
-        key = plan = src = dst = None
+        key = plan = src = dst = local_class = None
         new = False
         if local_error is None:
             # Local work: a failure here (a chunk of the wrong dtype, no memory) is agreed on below, so no PE
@@ -772,11 +817,15 @@ class PGASWorkerPlugin(WorkerPlugin):
             except DeviceError:  # (the engine refuses on every PE alike) fatal
                 raise
             except Exception as exc:
-                local_error = f"{type(exc).__name__}: {exc}"
+                local_error, local_class = f"{type(exc).__name__}: {exc}", type(exc).__name__
         if errors := control.agree(local_error):
             if new:  # never cached. Every PE has built it (an NVSHMEM plan is built collectively, or fails on
                 plan.free()  # every PE), so a collective free is met everywhere; an MPI plan's free is local
-            raise _RunError("; ".join(f"PE {r}: {e}" for r, e in errors))
+            # (every PE is here: one more exchange, of the failing PEs' classes, so that all raise the same one)
+            gathered = control.allgather(local_class)
+            classes = {gathered[r] for r, _ in errors}
+            raise agreed_error_class(classes.pop() if len(classes) == 1 else None)(
+                "; ".join(f"PE {r}: {e}" for r, e in errors))
         self._keep(key, plan, cfg["plan-cache-size"])
         # -- the one collective
         t1 = time.perf_counter()

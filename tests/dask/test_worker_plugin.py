@@ -319,3 +319,35 @@ def test_casts_that_keep_every_value(src, dst, keeps):
     from dask_pgas.integration._worker_plugin import keeps_every_value
 
     assert keeps_every_value(np.dtype(src), np.dtype(dst)) is keeps
+
+
+@pytest.mark.parametrize("name, base", [("UnsupportedOperandError", "dask_pgas.errors"), ("ValueError", "builtins"),
+                                        ("MemoryError", "builtins"), ("OSError", "builtins")])
+def test_an_agreed_run_error_is_of_the_pes_class_and_a_collective_error_after_pickling(name, base):
+    """Every failing PE raised one class: the run's error is of that class and of the run's CollectiveError,
+    also once Dask has pickled it to the client (a class made at run time is rebuilt there by name)."""
+    import importlib
+    import pickle
+
+    import cloudpickle
+
+    from dask_pgas.errors import CollectiveError
+    from dask_pgas.integration._worker_plugin import agreed_error_class
+
+    err = agreed_error_class(name)(f"PE 0: {name}: a chunk; PE 2: {name}: another")
+    for dumps, loads in ((pickle.dumps, pickle.loads), (cloudpickle.dumps, cloudpickle.loads)):
+        back = loads(dumps(err))
+        assert type(back) is type(err) is agreed_error_class(name)
+        assert isinstance(back, getattr(importlib.import_module(base), name))
+        assert isinstance(back, CollectiveError)
+        assert str(back) == str(err) and back.fatal is False  # (OSError's own str and reduce do not take over)
+
+
+@pytest.mark.parametrize("name", [None, "CollectiveError", "DeviceError", "PGASWorldError", "PGASError",
+                                  "Exception", "KeyboardInterrupt", "print", "NoSuchError"])
+def test_other_run_errors_stay_plain_collective_errors(name):
+    """Mixed classes (None), world failures (not a run's), bases of the run's error and names that are no
+    exception class give the run's own error class."""
+    from dask_pgas.integration._worker_plugin import _RunError, agreed_error_class
+
+    assert agreed_error_class(name) is _RunError
