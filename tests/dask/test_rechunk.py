@@ -241,7 +241,8 @@ def test_chunks_that_are_no_arrays_are_refused_by_name(client, local):
     with "'list' object has no attribute 'dtype'"; the error now says what the chunk is and what to do."""
     x = da.arange(60.0, chunks=20).map_blocks(lambda b: b.tolist(), meta=np.array(()))
     with dask.config.set({"pgas.local-rechunk": local}):
-        with pytest.raises(UnsupportedOperandError, match=r"a chunk is a builtins\.list, but the Dask array's meta says numpy"):
+        with pytest.raises(UnsupportedOperandError,
+                           match=r"a chunk is a builtins\.list, but the Dask array's meta says numpy"):
             dask_pgas.rechunk(x, 7).compute()
     assert dask_pgas.world(client).broken is None
 
@@ -277,7 +278,8 @@ def test_chunks_smaller_than_declared_are_refused(client, local):
     with dask.config.set({"pgas.local-rechunk": local}):
         # (5, 12) moves data between PEs; (10, 4) stays on each PE: a local plan's tasks where local is on
         for chunks in ((5, 12), (10, 4)):
-            with pytest.raises(UnsupportedOperandError, match=r"a chunk has shape \(20, 1\), but the Dask array's chunks need"):
+            with pytest.raises(UnsupportedOperandError,
+                               match=r"a chunk has shape \(20, 1\), but the Dask array's chunks need"):
                 dask_pgas.rechunk(thin, chunks).compute()
         np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (5, 12)).compute()), np.arange(240.0).reshape(20, 12))
     assert dask_pgas.world(client).broken is None
