@@ -16,6 +16,7 @@ __all__ = [
     "DeviceError",
     "DistributionError",
     "NotInitializedError",
+    "NotSymmetricMemoryError",
     "OperandMismatchError",
     "PGASError",
     "PGASRechunkUnsupported",
@@ -23,6 +24,7 @@ __all__ = [
     "RuntimeStateError",
     "SymmetricMemoryError",
     "SymmetricMemoryLeakWarning",
+    "UnknownBackendError",
     "UnsupportedOperandError",
 ]
 
@@ -41,6 +43,10 @@ class RuntimeStateError(PGASError, RuntimeError):
 
 class BackendUnavailableError(PGASError, RuntimeError):
     """A requested backend cannot be used on this machine (library or device missing)."""
+
+
+class UnknownBackendError(BackendUnavailableError, ValueError):
+    """``backends`` names no backend of dask_pgas (or none at all); a ``ValueError``, as nvmath raises there."""
 
 
 class DistributionError(PGASError, ValueError):
@@ -64,6 +70,10 @@ class OperandMismatchError(UnsupportedOperandError, ValueError):
 
 class SymmetricMemoryError(PGASError, ValueError):
     """Misuse of symmetric memory: double free, free of a view or foreign array, mismatched sizes."""
+
+
+class NotSymmetricMemoryError(SymmetricMemoryError, TypeError):
+    """A GPU operand that is not on the symmetric heap; also a ``TypeError``, as nvmath raises there."""
 
 
 class CollectiveError(PGASError, RuntimeError):

@@ -29,6 +29,7 @@ from .errors import (
     BackendUnavailableError,
     DeviceError,
     DistributionError,
+    NotSymmetricMemoryError,
     OperandMismatchError,
     RuntimeStateError,
     SymmetricMemoryError,
@@ -65,11 +66,14 @@ class ReshapeOptions:
     def _validate(self) -> None:
         if self.blocking not in (True, False, "auto"):
             raise ValueError(f"blocking must be True, False or 'auto', not {self.blocking!r}")
-        if self.logger is not None and not isinstance(self.logger, (logging.Logger, logging.LoggerAdapter)):
-            raise TypeError(f"logger must be a logging.Logger (or None), not {type(self.logger).__name__}")
+        # (nvmath checks nothing; a logger-like object, as a structlog or loguru adapter, is used as it is)
+        if self.logger is not None and not all(callable(getattr(self.logger, m, None)) for m in _LOGGER_METHODS):
+            raise TypeError(f"logger must be a logging.Logger or have its methods {', '.join(_LOGGER_METHODS)} "
+                            f"(or be None), not {type(self.logger).__name__}")
 
 
 _OPTION_FIELDS = tuple(f.name for f in fields(ReshapeOptions))
+_LOGGER_METHODS = ("debug", "info", "isEnabledFor")  # what the Reshape object calls
 
 
 def _options(options: ReshapeOptions | dict | None) -> ReshapeOptions:
@@ -99,7 +103,8 @@ _RAISABLE = {
     cls.__name__: cls
     for cls in (
         DistributionError, UnsupportedOperandError, OperandMismatchError, SymmetricMemoryError,
-        BackendUnavailableError, RuntimeStateError, DeviceError, TypeError, ValueError, MemoryError,
+        NotSymmetricMemoryError, BackendUnavailableError, RuntimeStateError, DeviceError, TypeError, ValueError,
+        MemoryError,
     )
 }
 
@@ -133,6 +138,15 @@ def _agree(
         rank, text = bad[0]
         name, _, msg = text.partition(": ")
         raise _RAISABLE.get(name, errors.CollectiveError)(f"rank {rank}: {msg}")
+
+
+def _f_strided(array: np.ndarray) -> bool:
+    """Whether a host array that is neither C- nor F-contiguous has increasing strides (an F-ordered array's
+    strided view: ``np.asfortranarray(a)[::2]``), over the axes longer than one."""
+    if array.flags.c_contiguous or array.flags.f_contiguous:
+        return False
+    strides = [abs(s) for s, n in zip(array.strides, array.shape) if n > 1]
+    return strides == sorted(strides)
 
 
 def _distribution(value: Any) -> Box | Slab:
@@ -362,6 +376,7 @@ class Reshape:
             desc.update(  # (a torch operand's dtype by its torch name: NumPy sees both float8 types as V1)
                 dtype=_dtype_name(operand, info.dtype), np_dtype=info.dtype,
                 c=info.c_contiguous, f=info.f_contiguous, host=info.package == "numpy",
+                f_strided=info.package == "numpy" and _f_strided(host_view(operand) if host_tensor else operand),
                 symmetric=not host_tensor and (engine.on_heap(operand) or is_symmetric_memory(operand)),
             )
             desc["position"] = _heap_position(operand) if desc["symmetric"] else None
@@ -379,7 +394,7 @@ class Reshape:
                 )
             on_gpu = engine.requires_symmetric_operands and info.package in engine.packages
             if on_gpu and not desc["symmetric"]:
-                raise SymmetricMemoryError(
+                raise NotSymmetricMemoryError(
                     f"the {info.package} operand is not on the symmetric heap; allocate it with "
                     "dask_pgas.allocate_symmetric_memory (or copy it there)"
                 )
@@ -429,16 +444,18 @@ class Reshape:
         dense = [d["c"] if order == "C" else d["f"] for d in descs]
         if not descs[0]["host"] and not all(dense):
             # host operands are copied into the order; GPU operands cannot be, and one rank alone must not raise
-            raise UnsupportedOperandError(
+            raise OperandMismatchError(  # (a ValueError, as nvmath's for layouts that differ across processes)
                 f"GPU operands must all be {order}-contiguous; they are not on ranks "
                 f"{[r for r, ok in enumerate(dense) if not ok]}"
             )
 
     @staticmethod
     def _order(descs: list[dict]) -> str:
+        """The plan's memory order: C where every operand is C-contiguous, else F where every one is F-contiguous
+        or a strided view laid out as F (increasing strides, as nvmath tells F from C), else C."""
         if all(d["c"] for d in descs):
             return "C"
-        if all(d["f"] for d in descs):
+        if all(d["f"] or d.get("f_strided") for d in descs):
             return "F"
         return "C"
 
@@ -592,7 +609,7 @@ class Reshape:
                 tracked = _allocation_of(operand)
                 symmetric = self._engine.on_heap(operand) or tracked is not None
                 if symmetric != self._symmetric:
-                    raise SymmetricMemoryError(
+                    raise (NotSymmetricMemoryError if self._symmetric else SymmetricMemoryError)(
                         "new operand must " + ("" if self._symmetric else "not ")
                         + "be symmetric memory, like the first"
                     )

@@ -14,12 +14,19 @@ from __future__ import annotations
 import importlib
 import os
 import threading
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .engines.base import ControlPlane, Engine
-from .errors import BackendUnavailableError, NotInitializedError, RuntimeStateError, SymmetricMemoryError
+from .errors import (
+    BackendUnavailableError,
+    NotInitializedError,
+    RuntimeStateError,
+    SymmetricMemoryError,
+    UnknownBackendError,
+)
 from .process_group import MPIProcessGroup, ProcessGroup, communicator_of
 
 __all__ = [
@@ -73,11 +80,16 @@ class DistributedContext:
     nccl_comm: None = None
 
 
+#: nvmath backends that nothing here needs, accepted in ``backends`` (as nvmath's examples pass them) and ignored
+_NOT_HERE = {"nccl": "nvmath uses NCCL for its distributed matmul (cuBLASMp), which dask_pgas does not have; "
+                     "nothing here uses it"}
+
+
 def _engine_class(name: str) -> type[Engine]:
     try:
         target = BACKENDS[name]
     except KeyError:
-        raise BackendUnavailableError(
+        raise UnknownBackendError(
             f"unknown backend {name!r}; choose from {sorted(BACKENDS)}"
         ) from None
     module, _, cls = target.partition(":")
@@ -121,10 +133,15 @@ def _requested(backends: Any) -> tuple[list[str], bool]:
     for name in names:
         if not isinstance(name, str):
             raise TypeError(f"backend names are strings such as 'mpi' or 'nvshmem', got {name!r}")
-        if name not in BACKENDS:
-            raise BackendUnavailableError(f"unknown backend {name!r}; choose from {sorted(BACKENDS)}")
+        if name not in BACKENDS and name not in _NOT_HERE:
+            raise UnknownBackendError(f"unknown backend {name!r}; choose from {sorted(BACKENDS)}")
+    ignored = [name for name in names if name in _NOT_HERE]
+    names = [name for name in names if name not in _NOT_HERE]
     if not names:
-        raise BackendUnavailableError(f"backends must name at least one of {sorted(BACKENDS)}")
+        raise UnknownBackendError(f"backends must name at least one of {sorted(BACKENDS)}"
+                                  + (f" ({ignored[0]!r} alone: {_NOT_HERE[ignored[0]]})" if ignored else ""))
+    for name in ignored:
+        warnings.warn(f"backend {name!r} is ignored: {_NOT_HERE[name]}", stacklevel=4)
     return names, False
 
 
@@ -169,7 +186,8 @@ def initialize(
             mpi4py communicator (default ``MPI.COMM_WORLD``); the runtime works on a duplicate.
         communicator: the same, by the name nvmath's earlier releases gave it (give one of the two).
         backends: backends to start, from ``"mpi"`` and ``"nvshmem"``. Default: ``["nvshmem"]`` when a GPU and
-            the NVSHMEM/cuFFTMp libraries are present on every rank, else ``["mpi"]``.
+            the NVSHMEM/cuFFTMp libraries are present on every rank, else ``["mpi"]``. ``"nccl"`` (which nvmath's
+            examples pass for its distributed matmul) is accepted and ignored, with a warning.
 
     Every rank's request is checked locally, then the ranks exchange their findings once (one allgather) and
     all raise the same exception or none does: a bad ``backends`` value on one rank, or different backends on
@@ -177,8 +195,9 @@ def initialize(
 
     Raises:
         RuntimeStateError: already initialized on some rank (call :func:`finalize` first).
-        BackendUnavailableError: an unknown or empty ``backends``, different backends on different ranks, or a
-            backend that cannot run here (on any rank); says which rank and what is missing.
+        BackendUnavailableError: different backends on different ranks, or a backend that cannot run here (on
+            any rank); says which rank and what is missing. An unknown or empty ``backends`` raises its
+            subclass :class:`UnknownBackendError`, also a ``ValueError`` (as nvmath's).
         TypeError: ``backends`` is not a sequence of names, or both ``process_group`` and ``communicator`` are
             given (on any rank); the group is not an MPI one (local: without a communicator there is nothing to
             agree over).

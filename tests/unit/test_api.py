@@ -378,6 +378,38 @@ def test_steps_are_logged_at_info_and_mismatches_are_value_errors(caplog):
         dask_pgas.finalize()
 
 
+def test_a_logger_like_object_is_taken_as_nvmath_takes_any():
+    """nvmath's ReshapeOptions checks nothing, so a logger-like adapter (structlog's, loguru's) works there; here
+    any object with the methods the Reshape calls is used, and other values are still refused."""
+    from mpi4py import MPI
+
+    class Recorder:
+        def __init__(self):
+            self.said = []
+
+        def isEnabledFor(self, level):
+            return True
+
+        def info(self, msg, *args):
+            self.said.append(msg % args)
+
+        debug = info
+
+    log = Recorder()
+    dask_pgas.initialize(None, MPI.COMM_SELF, backends=["mpi"])
+    try:
+        a = np.arange(6.0).reshape(2, 3)
+        box = dask_pgas.Box((0, 0), (2, 3))
+        out = dask_pgas.reshape.reshape(a, box, box, options={"logger": log})
+        assert np.array_equal(out, a)
+        assert any(m.endswith("created") for m in log.said) and any("resources released" in m for m in log.said)
+        for bad in ("not-a-logger", object()):
+            with pytest.raises(TypeError, match=r"logger must be a logging\.Logger or have its methods"):
+                ReshapeOptions(logger=bad)
+    finally:
+        dask_pgas.finalize()
+
+
 def test_results_are_recycled_only_when_dropped():
     from mpi4py import MPI
 
@@ -407,7 +439,7 @@ def test_results_are_recycled_only_when_dropped():
 def test_gpu_operands_in_mixed_layouts_fail_on_every_rank():
     """Rank 0 F-contiguous, rank 1 C-contiguous GPU operands: the global check (run identically on every
     rank) refuses them, so no rank raises alone after the agreement while the others plan."""
-    from dask_pgas.errors import SymmetricMemoryError, UnsupportedOperandError
+    from dask_pgas.errors import OperandMismatchError, SymmetricMemoryError
     from dask_pgas.reshape import Reshape
 
     def desc(lo, up, c, f, position=(3, 0)):
@@ -415,8 +447,9 @@ def test_gpu_operands_in_mixed_layouts_fail_on_every_rank():
                 "host": False, "dtype": "<f8", "symmetric": True, "c": c, "f": f, "position": position}
 
     descs = [desc(0, 2, False, True), desc(2, 4, True, False)]
-    with pytest.raises(UnsupportedOperandError, match=r"C-contiguous.*ranks \[0\]"):
+    with pytest.raises(OperandMismatchError, match=r"C-contiguous.*ranks \[0\]") as mixed:
         Reshape._check_global(descs)
+    assert isinstance(mixed.value, ValueError)  # as nvmath's for layouts that differ across processes
     Reshape._check_global([desc(0, 2, True, True), desc(2, 4, True, False)])  # all C: fine
     Reshape._check_global([dict(d, package="numpy", host=True) for d in descs])  # host operands: copied into order
     # GPU engines find a peer's operand at this rank's symmetric address: different slices of one array refused

@@ -49,9 +49,31 @@ def init_case(name, backends, expect):
     case(name, run, expect)
 
 
-init_case("unknown backend on one rank", ["mpj"] if RANK == LAST else ["mpi"], "BackendUnavailableError")
-init_case("unknown backend on every rank", ["shmem"], "BackendUnavailableError")
-init_case("empty backends on one rank", [] if RANK == LAST else ["mpi"], "BackendUnavailableError")
+# (UnknownBackendError is a BackendUnavailableError and, as nvmath raises there, a ValueError)
+init_case("unknown backend on one rank", ["mpj"] if RANK == LAST else ["mpi"], "UnknownBackendError")
+init_case("unknown backend on every rank", ["shmem"], "UnknownBackendError")
+init_case("empty backends on one rank", [] if RANK == LAST else ["mpi"], "UnknownBackendError")
+assert issubclass(errors.UnknownBackendError, (errors.BackendUnavailableError, ValueError))
+
+
+def nccl_is_ignored_with_a_warning():
+    """nvmath's examples pass backends=["nvshmem", "nccl"] (NCCL serves its matmul): "nccl" is dropped with a
+    warning that says why; alone it names nothing dask_pgas can start."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dask_pgas.initialize(None, COMM, backends=["mpi", "nccl"])
+    try:
+        assert dask_pgas.initialized_backends() == ("mpi",), dask_pgas.initialized_backends()
+        said = [(str(w.message), w.filename) for w in caught if "nccl" in str(w.message)]
+        assert len(said) == 1 and "matmul" in said[0][0] and said[0][1] == __file__, said  # (the caller's line)
+    finally:
+        dask_pgas.finalize()
+
+
+case("nccl beside mpi is ignored with a warning", nccl_is_ignored_with_a_warning)
+init_case("nccl alone", ["nccl"], "UnknownBackendError")
 init_case("backends not a sequence on one rank", 5 if RANK == LAST else ["mpi"], "TypeError")
 init_case("backend name not a string on one rank", [1] if RANK == LAST else ["mpi"], "TypeError")
 init_case("different backends on different ranks", ["mpi", "nvshmem"] if RANK == LAST else ["mpi"],

@@ -408,6 +408,18 @@ def result_memory_order():
     out = dask_pgas.reshape.reshape(piece(glob, my_in, "C"), my_in, my_out)
     ok = out.flags.c_contiguous and np.array_equal(out, piece(glob, my_out, "C"))
     assert all_ok(ok), f"rank {RANK}: the result of C- and F-contiguous operands is not C-ordered"
+    # Strided views of F-ordered arrays (increasing strides, neither C- nor F-contiguous) give an F-ordered
+    # result, as nvmath orders by strides; views of C-ordered ones a C-ordered result.
+    glob = np.arange(4 * SIZE * n, dtype=np.float64).reshape(2 * SIZE, 2 * n)
+    my_in, my_out = Box((2 * RANK, 0), (2 * RANK + 2, 2 * n)), Box((0, 4 * RANK), (2 * SIZE, 4 * RANK + 4))
+    for order in ("F", "C"):
+        wide = np.zeros((2, 4 * n), order=order)  # every other column is the operand
+        operand = wide[:, ::2]
+        operand[...] = piece(glob, my_in, "C")
+        out = dask_pgas.reshape.reshape(operand, my_in, my_out)
+        ok = (not operand.flags.c_contiguous and not operand.flags.f_contiguous
+              and out.flags[f"{order}_CONTIGUOUS"] and np.array_equal(out, piece(glob, my_out, "C")))
+        assert all_ok(ok), f"rank {RANK}: the result of {order}-strided views is not {order}-ordered and right"
 
 
 if opts.package == "numpy":  # (host operands: the MPI engine)

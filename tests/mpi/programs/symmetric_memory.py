@@ -26,7 +26,7 @@ def case(name, fn, expect=None):
 
 # -- runtime state ----------------------------------------------------------------------------------------------
 case("use before initialize", lambda: dask_pgas.allocate_symmetric_memory((2,), PKG), "NotInitializedError")
-case("unknown backend", lambda: dask_pgas.initialize(None, COMM, backends=["shmem"]), "BackendUnavailableError")
+case("unknown backend", lambda: dask_pgas.initialize(None, COMM, backends=["shmem"]), "UnknownBackendError")
 if opts.backend == "mpi":
     # on a machine without a GPU stack (CI) nvshmem must be refused with a reason; with one, skip
     if "nvshmem" not in dask_pgas.available_backends():
