@@ -39,6 +39,8 @@
 #   deverror  a real sticky device error (a kernel's illegal address on the last PE; no MPS) at 1, 2 and 3 PEs:
 #             every PE raises DeviceError at the next collective free, later calls too, finalize() returns
 #             (tests/gpu/programs/device_error.py)
+#   exit      what a process does at exit without finalize() (nvmath's examples never call it), at 2 PEs: with its
+#             symmetric arrays freed, still held, and finalized as the reference (scripts/gpu/probe_exit.py)
 #   daskcuda  dask-cuda's LocalCUDACluster (workers not launched by MPI, default backends): the Dask suite on 1
 #             worker (one per GPU), then examples/dask_cuda_rechunk.py (the dask-cuda wheel travels in .whl, `pip
 #             download --no-deps dask-cuda`: the host has its dependencies cuda-core and nvidia-ml-py)
@@ -230,6 +232,14 @@ job_deverror() {  # without MPS: under MPS one client's fault may take the other
   done
   echo "device error: $(grep -c '^OK rank=' "$OUT/deverror.log") of 6 ranks printed OK" >>"$S"
   grep -h "^CHECK.*FAIL\|^INFO DeviceError" "$OUT/deverror.log" | head -4 >>"$S"
+}
+job_exit() {  # nvmath's examples never call finalize() (nvmath finalizes at exit; dask_pgas does not)
+  for case in freed held finalized; do
+    step "exit without finalize: $case, np=2" 60 "$OUT/exit-$case.log" \
+      $MPIRUN -n 2 python3 scripts/gpu/probe_exit.py --case $case
+    echo "exit $case: $(grep -c '^EXITING' "$OUT/exit-$case.log") of 2 ranks reached the end; $(grep -vc '^EXITING\|^===' "$OUT/exit-$case.log") other lines" >>"$S"
+    grep -v '^EXITING\|^===' "$OUT/exit-$case.log" | head -3 >>"$S"
+  done
 }
 job_daskcuda() {
   python3 -c "import dask_cuda, cuda.core; print('dask_cuda', dask_cuda.__version__, 'cuda.core', cuda.core.__version__)" >>"$S" 2>&1
