@@ -73,9 +73,9 @@ _RUN_KEYS = ("plan-cache-size", "buffer-growth", "output-pool", "collective-time
 class _RunError(CollectiveError):
     """A run failed on every rank together before any data moved (the world stays usable).
 
-    Where every failing PE raised one class (an :class:`UnsupportedOperandError` for a chunk of the wrong dtype,
-    say), the error is of :func:`agreed_error_class`'s subclass of both, so the client catches it by that class
-    as well as by :class:`CollectiveError`, whichever PE's task reports it."""
+    Where every failing PE raised one public class (an :class:`UnsupportedOperandError` for a chunk of the wrong
+    dtype, say), the error is of :func:`agreed_error_class`'s subclass of both, so the client catches it by that
+    class as well as by :class:`CollectiveError`, whichever PE's task reports it."""
 
     fatal = False
     _also: str | None = None  # the name of the PEs' own class this one also derives from (None: only this)
@@ -85,40 +85,74 @@ class _RunError(CollectiveError):
 
 
 _AGREED_CLASSES: dict[str, type[_RunError]] = {}
+_AGREED_LOCK = threading.RLock()  # (re-entered by the probe's unpickling)
+#: builtins an agreed error never derives from: ones this module's waits catch themselves, or Python's signals
+_NOT_AGREED = frozenset({"TimeoutError", "StopIteration", "StopAsyncIteration"})
 
 
-def agreed_error_class(name: str | None) -> type[_RunError]:
-    """The class of a run failure whose failing PEs all raised the exception class called ``name``: a subclass
-    of that class (one of :mod:`dask_pgas.errors` or a builtin exception) and of :class:`_RunError`;
-    :class:`_RunError` itself for None, another name, a :class:`CollectiveError` (a world's failure is not a
-    run's) or a base of :class:`_RunError`."""
+def public_error_name(exc: BaseException) -> str | None:
+    """The name of the first class of ``exc``'s MRO that a run's error may also derive from (see
+    :func:`agreed_error_class`): one of :mod:`dask_pgas.errors`, or a builtin exception (CuPy's
+    ``OutOfMemoryError`` gives ``MemoryError``); None when there is none."""
     import builtins
 
     from .. import errors
 
-    cls = _AGREED_CLASSES.get(name) if name else _RunError
+    for cls in type(exc).__mro__:
+        name = cls.__name__
+        public = ((name in errors.__all__ and getattr(errors, name) is cls)
+                  or (cls.__module__ == "builtins" and getattr(builtins, name, None) is cls))
+        if public and agreed_error_class(name) is not _RunError:
+            return name
+    return None
+
+
+def agreed_error_class(name: str | None) -> type[_RunError]:
+    """The class of a run failure whose failing PEs all raised the exception class called ``name``: a subclass
+    of that class (one of :mod:`dask_pgas.errors` or a builtin exception) and of :class:`_RunError`, named
+    ``Run`` + ``name`` in this module; :class:`_RunError` itself for None, another name, a
+    :class:`CollectiveError` (a world's failure is not a run's), a base of :class:`_RunError`, one of
+    ``_NOT_AGREED``, or a class that cannot be made from one message (``UnicodeDecodeError`` takes five
+    arguments) or pickled. The same on every process: it depends on the name only."""
+    import builtins
+    import pickle
+
+    from .. import errors
+
+    if not name or name in _NOT_AGREED:
+        return _RunError
+    cls = _AGREED_CLASSES.get(name)
     if cls is not None:
         return cls
-    if name in errors.__all__:
-        base = getattr(errors, name)
-    else:
-        base = getattr(builtins, name, None)
-        if not (isinstance(base, type) and issubclass(base, Exception)):
-            return _RunError
-    if issubclass(base, CollectiveError) or issubclass(_RunError, base):  # (their own meaning, or bases of it)
+    base = getattr(errors, name) if name in errors.__all__ else getattr(builtins, name, None)
+    if not (isinstance(base, type) and issubclass(base, Exception)) \
+            or issubclass(base, CollectiveError) or issubclass(_RunError, base):  # (their own meaning, or bases)
         return _RunError
-    try:
-        cls = type(name, (base, _RunError), {  # (the base's own __reduce__ or __str__, as OSError's, would win)
-            "__module__": __name__, "__doc__": _RunError.__doc__, "_also": name,
-            "__reduce__": _RunError.__reduce__, "__str__": _RunError.__str__})
-    except TypeError:  # instance layouts that conflict
-        cls = _RunError
-    _AGREED_CLASSES[name] = cls
+    with _AGREED_LOCK:  # (one class per name in a process: the collective thread and unpickling may race)
+        if name in _AGREED_CLASSES:
+            return _AGREED_CLASSES[name]
+        try:
+            cls = _AGREED_CLASSES[name] = type(f"Run{name}", (base, _RunError), {
+                "__module__": __name__, "__doc__": _RunError.__doc__, "_also": name,
+                # (the base's own, as OSError's, would come first in the MRO)
+                "__reduce__": _RunError.__reduce__, "__str__": _RunError.__str__})
+            probe = cls("PE 0: probe")
+            if type(pickle.loads(pickle.dumps(probe))) is not cls or str(probe) != "PE 0: probe":
+                raise TypeError("does not survive pickling")
+        except Exception:  # instance layouts that conflict, a constructor of several arguments, ...
+            cls = _AGREED_CLASSES[name] = _RunError
     return cls
 
 
 def _rebuild_run_error(name: str | None, args: tuple) -> _RunError:
     return agreed_error_class(name)(*args)
+
+
+def __getattr__(attr: str) -> Any:
+    """``Run<name>``: the agreed error classes, made on first use (so that they pickle by reference too)."""
+    if attr.startswith("Run") and (cls := agreed_error_class(attr[3:])) is not _RunError:
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 
 
 class _CollectiveThread:
@@ -817,13 +851,13 @@ class PGASWorkerPlugin(WorkerPlugin):
             except DeviceError:  # (the engine refuses on every PE alike) fatal
                 raise
             except Exception as exc:
-                local_error, local_class = f"{type(exc).__name__}: {exc}", type(exc).__name__
+                local_error, local_class = f"{type(exc).__name__}: {exc}", public_error_name(exc)
         if errors := control.agree(local_error):
-            if new:  # never cached. Every PE has built it (an NVSHMEM plan is built collectively, or fails on
-                plan.free()  # every PE), so a collective free is met everywhere; an MPI plan's free is local
             # (every PE is here: one more exchange, of the failing PEs' classes, so that all raise the same one)
             gathered = control.allgather(local_class)
             classes = {gathered[r] for r, _ in errors}
+            if new:  # never cached. Every PE has built it (an NVSHMEM plan is built collectively, or fails on
+                plan.free()  # every PE), so a collective free is met everywhere; an MPI plan's free is local
             raise agreed_error_class(classes.pop() if len(classes) == 1 else None)(
                 "; ".join(f"PE {r}: {e}" for r, e in errors))
         self._keep(key, plan, cfg["plan-cache-size"])
@@ -908,9 +942,9 @@ def refuse_unmovable(arrays: tuple, dtype: Any, package: str) -> None:
       ``pgas.fallback`` before any task runs.)
     - Chunks of another dtype than the array's (a ``map_blocks`` or ``from_delayed`` that declared a wrong one):
       packing them into the array's dtype casts them. A cast that keeps every value (byte order, a wider type) is
-      done; one that can lose data (2.75 into an integer, ``'hello'`` into ``'U2'``, 2**53 + 1 into float64, a
-      date into a finer unit that cannot hold it) raises instead of changing values silently, where Dask's own
-      rechunk would move the chunks unchanged.
+      done; one that can lose or change data (2.75 into an integer, ``'hello'`` into ``'U2'``, 2**53 + 1 into
+      float64, a date into a finer unit that cannot hold it, bytes or numbers into ``str``) raises instead of
+      changing values silently, where Dask's own rechunk would move the chunks unchanged.
     """
     import numpy as np
 
@@ -934,8 +968,9 @@ def refuse_unmovable(arrays: tuple, dtype: Any, package: str) -> None:
         if a.dtype != dtype and not keeps_every_value(a.dtype, dtype):
             raise UnsupportedOperandError(
                 f"a chunk has dtype {a.dtype}, but the Dask array declares {dtype}: a pgas rechunk moves the "
-                f"array's dtype, and casting {a.dtype} to {dtype} can lose data. Declare the chunks' real dtype "
-                "(map_blocks(..., dtype=...)), cast them first (x.astype(...)), or rechunk with method='tasks'"
+                f"array's dtype, and casting {a.dtype} to {dtype} can lose or change values. Declare the chunks' "
+                "real dtype (map_blocks(..., dtype=...)), cast them first (x.astype(...)), or rechunk with "
+                "method='tasks'"
             )
 
 
@@ -958,7 +993,9 @@ def keeps_every_value(src: Any, dst: Any) -> bool:
     """Whether casting ``src`` to ``dst`` (NumPy dtypes) keeps every value: NumPy's "safe" casting, less the
     casts it counts as safe that are not: an integer into a float (or complex) whose mantissa is narrower than
     it (int64 into float64 rounds above 2**53), and a datetime or timedelta into another unit (a finer one
-    overflows). Structured dtypes field by field, subarrays by their base."""
+    overflows), and any cast into or out of text, bytes or raw data of another kind (an ``S`` chunk under a
+    ``U`` dtype is decoded, a number under one is formatted: Dask's own rechunk moves such chunks unchanged).
+    Structured dtypes field by field, subarrays by their base."""
     import numpy as np
 
     src, dst = np.dtype(src), np.dtype(dst)
@@ -972,6 +1009,8 @@ def keeps_every_value(src: Any, dst: Any) -> bool:
         return (src.names == dst.names
                 and all(keeps_every_value(src.fields[n][0], dst.fields[n][0]) for n in src.names))
     if not np.can_cast(src, dst, casting="safe"):
+        return False
+    if (src.kind in "SUV" or dst.kind in "SUV") and src.kind != dst.kind:
         return False
     if src.kind in "mM" or dst.kind in "mM":
         return False  # (other units: "equiv" above took the same unit)

@@ -256,14 +256,20 @@ def test_chunks_of_another_dtype_are_cast_only_when_no_value_is_lost(client, loc
     x = on_device(da.from_array(ref, chunks=(20, 4)))
     lying = x.map_blocks(lambda b: b, dtype="int32")  # the chunks stay float64
     with dask.config.set({"pgas.local-rechunk": local}):
-        with pytest.raises(UnsupportedOperandError, match="casting float64 to int32 can lose data"):
+        with pytest.raises(UnsupportedOperandError, match="casting float64 to int32 can lose or change values"):
             dask_pgas.rechunk(lying, (5, 12)).compute()
         narrow = x.map_blocks(lambda b: b.astype("float32"), dtype="float64")  # widened: every value kept
         got = dask_pgas.rechunk(narrow, (5, 12)).compute()
         # NumPy counts int64 -> float64 as "safe", but it rounds above 2**53: 2**53 + 1 came back as 2**53
         big = on_device(da.from_array(np.arange(2**53, 2**53 + 240).reshape(20, 12), chunks=(20, 4)))
-        with pytest.raises(UnsupportedOperandError, match="casting int64 to float64 can lose data"):
+        with pytest.raises(UnsupportedOperandError, match="casting int64 to float64 can lose or change values"):
             dask_pgas.rechunk(big.map_blocks(lambda b: b, dtype="float64"), (5, 12)).compute()
+        # "safe" for NumPy, but bytes under a str dtype were decoded: b"\xff" raised a UnicodeDecodeError, whose
+        # agreed error could not be made from one message, and that broke the world
+        if BACKEND == "numpy":  # (CuPy has no string dtypes)
+            raw = da.from_array(np.full((20, 12), b"\xff\xfe", dtype="S2"), chunks=(20, 4))
+            with pytest.raises(UnsupportedOperandError, match=r"casting \|S2 to <U2 can lose or change values"):
+                dask_pgas.rechunk(raw.map_blocks(lambda b: b, dtype="U2"), (5, 12)).compute()
     assert got.dtype == np.float64
     np.testing.assert_array_equal(host(got), ref)
     assert dask_pgas.world(client).broken is None
@@ -594,6 +600,19 @@ def test_world_and_bootstrap_idempotent(client):
     info = dask_pgas.world(client, detail=True)
     assert f"PE {NWORKERS - 1}" in str(info)
     assert set(info.info) == set(w1.workers)
+
+
+def test_nvmaths_nccl_backend_is_dropped_at_bootstrap_with_a_warning(client):
+    """backends=[..., "nccl"], as nvmath's examples pass it: the world's backends are the ones its workers run
+    (it listed "nccl" beside them), and the warning reaches the caller (it stayed in the workers' logs)."""
+    import warnings
+
+    w1 = dask_pgas.world(client)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        w2 = dask_pgas.bootstrap(client, backends=[*w1.backends, "nccl"])
+    said = [(str(w.message), w.filename) for w in caught if "'nccl' is ignored" in str(w.message)]
+    assert w2 == w1 and said and said[0][1] == __file__, said
 
 
 def test_world_members_are_not_retired(client):

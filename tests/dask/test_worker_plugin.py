@@ -311,6 +311,8 @@ def test_teardown_drops_every_run_and_staged_input(plugin, monkeypatch):
     # NumPy's "safe", yet values change: integers past the float's mantissa, dates into another unit
     ("i8", "f8", False), ("u8", "f8", False), ("i8", "c16", False), ("i4", "f4", False), ("i2", "f2", False),
     ("M8[s]", "M8[ns]", False), ("m8[ms]", "m8[us]", False),
+    # "safe" too, but bytes decoded and numbers formatted: another kind of value (b'\xff' raised on decoding)
+    ("S2", "U2", False), ("i1", "U4", False), ("b1", "S5", False), ("u1", "S3", False), ("U2", "U5", True),
     ([("a", "i4"), ("b", "f4")], [("a", "f8"), ("b", "f8")], True),
     ([("a", "i8"), ("b", "f4")], [("a", "f8"), ("b", "f8")], False),
     ([("a", "i4")], [("b", "i8")], False), (("i4", (2,)), ("f8", (2,)), True), (("i8", (2,)), ("f8", (2,)), False),
@@ -341,13 +343,37 @@ def test_an_agreed_run_error_is_of_the_pes_class_and_a_collective_error_after_pi
         assert isinstance(back, getattr(importlib.import_module(base), name))
         assert isinstance(back, CollectiveError)
         assert str(back) == str(err) and back.fatal is False  # (OSError's own str and reduce do not take over)
+    assert pickle.loads(pickle.dumps(type(err))) is type(err)  # the class itself, by reference (Run<name>)
+    assert type(err).__name__ == f"Run{name}"  # (not the name of the class it derives from)
 
 
 @pytest.mark.parametrize("name", [None, "CollectiveError", "DeviceError", "PGASWorldError", "PGASError",
-                                  "Exception", "KeyboardInterrupt", "print", "NoSuchError"])
+                                  "Exception", "KeyboardInterrupt", "print", "NoSuchError", "UnicodeDecodeError",
+                                  "TimeoutError", "StopIteration"])
 def test_other_run_errors_stay_plain_collective_errors(name):
-    """Mixed classes (None), world failures (not a run's), bases of the run's error and names that are no
-    exception class give the run's own error class."""
+    """Mixed classes (None), world failures (not a run's), bases of the run's error, names that are no
+    exception class, classes whose constructor takes more than a message (a UnicodeDecodeError there made the
+    raise itself fail, which broke the world) and builtins the plugin's waits catch themselves (an agreed
+    TimeoutError would look like a wait's timeout) give the run's own error class."""
     from dask_pgas.integration._worker_plugin import _RunError, agreed_error_class
 
     assert agreed_error_class(name) is _RunError
+
+
+def test_the_class_a_failing_pe_reports_is_public_and_exact():
+    """The name a PE sends is of a class of dask_pgas.errors or builtins, found along the MRO (CuPy's
+    OutOfMemoryError is a MemoryError; a UnicodeDecodeError a UnicodeError), never a look-alike of a builtin's
+    name."""
+    from dask_pgas.errors import OperandMismatchError
+    from dask_pgas.integration._worker_plugin import public_error_name
+
+    class OutOfMemoryError(MemoryError):
+        pass
+
+    ValueErrorLookAlike = type("ValueError", (Exception,), {})
+    assert public_error_name(OutOfMemoryError()) == "MemoryError"
+    assert public_error_name(UnicodeDecodeError("ascii", b"\xff", 0, 1, "ordinal not in range")) == "UnicodeError"
+    assert public_error_name(OperandMismatchError("x")) == "OperandMismatchError"
+    assert public_error_name(TimeoutError()) == "OSError"
+    assert public_error_name(ValueErrorLookAlike()) is None
+    assert public_error_name(RuntimeError()) is None  # (a base of the run's own error: nothing to add)
