@@ -66,7 +66,7 @@ class ReshapeOptions:
     def _validate(self) -> None:
         if self.blocking not in (True, False, "auto"):
             raise ValueError(f"blocking must be True, False or 'auto', not {self.blocking!r}")
-        # (nvmath checks nothing; a logger-like object, as a structlog or loguru adapter, is used as it is)
+        # (nvmath checks nothing: any object with the Logger methods called here is used as it is)
         if self.logger is not None and not all(callable(getattr(self.logger, m, None)) for m in _LOGGER_METHODS):
             raise TypeError(f"logger must be a logging.Logger or have its methods {', '.join(_LOGGER_METHODS)} "
                             f"(or be None), not {type(self.logger).__name__}")

@@ -135,14 +135,23 @@ def _requested(backends: Any) -> tuple[list[str], bool]:
             raise TypeError(f"backend names are strings such as 'mpi' or 'nvshmem', got {name!r}")
         if name not in BACKENDS and name not in _NOT_HERE:
             raise UnknownBackendError(f"unknown backend {name!r}; choose from {sorted(BACKENDS)}")
-    ignored = [name for name in names if name in _NOT_HERE]
-    names = [name for name in names if name not in _NOT_HERE]
-    if not names:
+    kept = without_unused_backends(names, stacklevel=5)  # (warns at initialize()'s caller)
+    if not kept:
+        ignored = [name for name in names if name in _NOT_HERE]
         raise UnknownBackendError(f"backends must name at least one of {sorted(BACKENDS)}"
                                   + (f" ({ignored[0]!r} alone: {_NOT_HERE[ignored[0]]})" if ignored else ""))
-    for name in ignored:
-        warnings.warn(f"backend {name!r} is ignored: {_NOT_HERE[name]}", stacklevel=4)
-    return names, False
+    return kept, False
+
+
+def without_unused_backends(names: list[str], stacklevel: int = 2) -> list[str]:
+    """``names`` less nvmath's backends that nothing here uses (``"nccl"``), each dropped with a warning at
+    ``stacklevel``; no warning when nothing else is left (the caller refuses that, saying why)."""
+    kept = [name for name in names if name not in _NOT_HERE]
+    if kept:
+        for name in names:
+            if name in _NOT_HERE:
+                warnings.warn(f"backend {name!r} is ignored: {_NOT_HERE[name]}", stacklevel=stacklevel)
+    return kept
 
 
 def _local_setup(backends: Any) -> tuple[type[Exception] | None, str, list[str], bool, dict[str, str]]:

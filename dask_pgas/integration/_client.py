@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import PGASWorldError
+from ..runtime import without_unused_backends
 from ._config import duration, setting
 from ._scheduler_plugin import PGASSchedulerPlugin
 from ._worker_plugin import PGASWorkerPlugin
@@ -100,6 +101,10 @@ def bootstrap(client=None, *, backends=None, timeout=None) -> World:
     """
     if backends is None:  # this process's config (a key set with dask.config.set here)
         backends = setting("backends")
+    if isinstance(backends, (str, list, tuple)) and all(isinstance(b, str) for b in backends):
+        # nvmath's "nccl" dropped here, with the warning at the caller (the workers' would stay in their logs),
+        # so that the world's backends are the ones its workers run
+        backends = without_unused_backends([backends] if isinstance(backends, str) else list(backends), 3) or backends
     timeout = setting("bootstrap-timeout") if timeout is None else duration(timeout, "bootstrap(timeout=...)")
     client = _client(client, "bootstrap")
     client.register_plugin(PGASSchedulerPlugin())
