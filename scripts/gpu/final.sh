@@ -237,8 +237,8 @@ job_exit() {  # nvmath's examples never call finalize() (nvmath finalizes at exi
   for case in freed held finalized; do
     step "exit without finalize: $case, np=2" 60 "$OUT/exit-$case.log" \
       $MPIRUN -n 2 python3 scripts/gpu/probe_exit.py --case $case
-    echo "exit $case: $(grep -c '^EXITING' "$OUT/exit-$case.log") of 2 ranks reached the end; $(grep -vc '^EXITING\|^===' "$OUT/exit-$case.log") other lines" >>"$S"
-    grep -v '^EXITING\|^===' "$OUT/exit-$case.log" | head -3 >>"$S"
+    echo "exit $case: $(grep -o 'EXITING.*' "$OUT/exit-$case.log" | tail -1); $(grep -v '^EXITING\|^===\|^ *$' "$OUT/exit-$case.log" | wc -l) other lines" >>"$S"
+    grep -v '^EXITING\|^===\|^ *$' "$OUT/exit-$case.log" | head -3 >>"$S"
   done
 }
 job_daskcuda() {
