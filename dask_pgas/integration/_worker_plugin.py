@@ -937,7 +937,7 @@ def refuse_unmovable(arrays: tuple, dtype: Any, package: str) -> None:
     """Raise for chunks a pgas rechunk would change while moving them (or cannot move), before any data moves.
 
     - Chunks that are not arrays of the array's ``package`` (its ``_meta``'s: NumPy or CuPy).
-    - Masked arrays under a plain ``_meta`` (Dask's default for ``from_delayed`` or ``map_blocks``): the
+    - Masked arrays under a plain ``_meta`` (Dask's default for ``from_delayed``; ``map_blocks(..., meta=...)``): the
       collective and the local copies move data, not masks. (A masked ``_meta`` makes ``rechunk`` follow
       ``pgas.fallback`` before any task runs.)
     - Chunks of another dtype than the array's (a ``map_blocks`` or ``from_delayed`` that declared a wrong one):
