@@ -1,9 +1,9 @@
 """CPU engine on mpi4py: ``MPI.Win.Allocate`` symmetric memory and an ``Alltoallw`` reshape.
 
-The plan lays out, once, the piece this rank sends each peer (a box of the local input) and the piece it
-receives (a box of the local output): contiguous pieces as element runs at a byte offset, strided receive pieces
-as subarray datatypes, strided send pieces packed first or as subarray types (:func:`_pack_strided_sends`);
-``execute`` is then a single ``Alltoallw`` plus a NumPy copy of the piece that stays on this rank. Element types come from
+The plan lays out, once, the piece this rank sends each peer (a box of the local input) and the piece it receives
+(a box of the local output): contiguous pieces as element runs at a byte offset, strided receive pieces as subarray
+datatypes, strided send pieces packed first or as subarray types (:func:`_pack_strided_sends`); ``execute`` is then
+a single ``Alltoallw`` plus a NumPy copy of the piece that stays on this rank. Element types come from
 ``mpi4py.util.dtlib`` when it covers every byte of an element, raw bytes otherwise.
 """
 
