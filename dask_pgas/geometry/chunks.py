@@ -99,6 +99,29 @@ class ChunkPlan:
         """No element changes PE: every PE's output box is its input box (always so with one PE)."""
         return self.moved_elements() == 0
 
+    def restricted(self, region: Box) -> ChunkPlan:
+        """The plan for the elements in ``region`` only (a box aligned to output chunk boundaries): each PE keeps
+        the part of its boxes inside ``region`` (an empty box elsewhere), so every output chunk inside it is
+        built on the same PE as in this plan, from a smaller exchange. Output chunks outside it have no piece."""
+        bounds_in, bounds_out = _bounds(self.chunks_in), _bounds(self.chunks_out)
+        if not _aligned(region, bounds_out):
+            raise ValueError(f"{region} does not lie on output chunk boundaries")
+
+        def clip(box: Box) -> Box:
+            common = box.intersection(region)
+            return common if common is not None else Box(region.lower, region.lower)
+
+        ins = tuple(clip(b) for b in self.input_boxes)
+        outs = tuple(clip(b) for b in self.output_boxes)
+        return ChunkPlan(
+            shape=self.shape, chunks_in=self.chunks_in, chunks_out=self.chunks_out, input_boxes=ins,
+            output_boxes=outs,
+            inputs=tuple(tuple(InputPiece(i, cs, bs) for i, cs, bs in _box_pieces(self.chunks_in, b, bounds_in))
+                         for b in ins),
+            outputs=tuple(tuple(OutputPiece(i, bs) for i, _, bs in _box_pieces(self.chunks_out, b, bounds_out))
+                          for b in outs),
+        )
+
     def moved_elements(self) -> int:
         """Elements that change PE (what crosses the network)."""
         return sum(

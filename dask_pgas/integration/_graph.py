@@ -20,9 +20,11 @@ fetches cost more than the one fetch per output worker they save, on 2 cores: S1
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Any
 
 from dask._task_spec import Task, TaskRef
+from dask.highlevelgraph import MaterializedLayer
 
 from ..errors import CollectiveError
 from ._worker_plugin import RunSpec, copy_piece, get_plugin, refuse_unmovable
@@ -124,8 +126,9 @@ def empty_chunk(meta: Any, shape: tuple) -> Any:
     return np.empty_like(meta_from_array(meta), shape=shape)
 
 
-def build_graph(x, plan, name: str, epoch: int, spec: RunSpec) -> dict:
-    """Tasks of one pgas rechunk of ``x`` following ``plan`` (a :class:`~dask_pgas.geometry.chunks.ChunkPlan`)."""
+def build_graph(x, plan, name: str, epoch: int, spec: RunSpec, key_name: str | None = None) -> dict:
+    """Tasks of one pgas rechunk of ``x`` following ``plan`` (a :class:`~dask_pgas.geometry.chunks.ChunkPlan`):
+    run ``name``, output keys ``(key_name or name, *index)``."""
     import numpy as np
 
     token = name[len("pgas-rechunk-"):]
@@ -143,17 +146,18 @@ def build_graph(x, plan, name: str, epoch: int, spec: RunSpec) -> dict:
                               npes=plan.npes)
     dsk[bname] = BarrierTask(bname, barrier, name, epoch, *(TaskRef((tname, pe)) for pe in range(plan.npes)))
     done = set()
+    key_name = key_name or name
     for pe, pieces in enumerate(plan.outputs):
         box = plan.output_boxes[pe]
         for p in pieces:
-            key = (name, *p.index)
+            key = (key_name, *p.index)
             whole = tuple(s.stop - s.start for s in p.box_slices) == box.box_shape
             dsk[key] = PinnedTask(key, output, name, pe, epoch, plan.npes, p.box_slices, whole, TaskRef(bname),
                                   pe=pe, epoch=epoch, npes=plan.npes)
             done.add(p.index)
     for index in np.ndindex(*(len(c) for c in plan.chunks_out)):
         if index not in done:  # chunks without elements
-            key = (name, *index)
+            key = (key_name, *index)
             shape = tuple(plan.chunks_out[a][i] for a, i in enumerate(index))
             dsk[key] = Task(key, empty_chunk, x._meta, shape)
     return dsk
@@ -172,8 +176,9 @@ def _source(dsk: dict, x, token: str, tag: tuple, index: tuple, chunk_slices: tu
     return TaskRef(key), tuple(slice(0, s.stop - s.start) for s in chunk_slices)
 
 
-def build_local_graph(x, plan, name: str, epoch: int, package: str) -> dict:
-    """Tasks of a pgas rechunk whose ``plan`` moves nothing between PEs: one pinned task per output chunk."""
+def build_local_graph(x, plan, name: str, epoch: int, package: str, key_name: str | None = None) -> dict:
+    """Tasks of a pgas rechunk whose ``plan`` moves nothing between PEs: one pinned task per output chunk (keys
+    ``(key_name or name, *index)``)."""
     from ..geometry.chunks import chunk_sources
 
     owner = plan.output_owner()
@@ -181,7 +186,7 @@ def build_local_graph(x, plan, name: str, epoch: int, package: str) -> dict:
     cut = plan.shared_chunks()
     dsk: dict = {}
     for index, pieces in chunk_sources(plan.chunks_in, plan.chunks_out):
-        key = (name, *index)
+        key = (key_name or name, *index)
         shape = tuple(plan.chunks_out[a][i] for a, i in enumerate(index))
         pe = owner.get(index)
         if pe is None or not pieces:  # chunks without elements
@@ -195,3 +200,42 @@ def build_local_graph(x, plan, name: str, epoch: int, package: str) -> dict:
         dsk[key] = PinnedTask(key, assemble, pe, epoch, plan.npes, shape, x.dtype, package, tuple(slices), *refs,
                               pe=pe, epoch=epoch, npes=plan.npes)
     return dsk
+
+
+class RechunkLayer(MaterializedLayer):
+    """The graph of a collective pgas rechunk, culled by region: computing some of its output chunks (a
+    selection, ``y[:10, :10].compute()``) runs the exchange of the smallest chunk-aligned box holding them only
+    (:meth:`~dask_pgas.geometry.chunks.ChunkPlan.restricted`: each PE keeps its part of that box, so every chunk
+    is built on the PE the full plan gives it), reading only the input chunks that meet the box, instead of
+    the whole input and the whole exchange (the barrier depends on every transfer task)."""
+
+    def __init__(self, dsk: dict, x, plan, name: str, epoch: int, spec: RunSpec, local_ok: bool) -> None:
+        super().__init__(dsk)
+        self._rebuild = (x, plan, name, epoch, spec, local_ok)  # (local_ok: pgas.local-rechunk when built)
+
+    def cull(self, keys, all_hlg_keys):
+        x, plan, name, epoch, spec, local_ok = self._rebuild
+        owner = plan.output_owner()
+        wanted = [k[1:] for k in keys if type(k) is tuple and k and k[0] == name and k[1:] in owner]
+        if not wanted:  # (chunks without elements only, or none: no run)
+            return super().cull(keys, all_hlg_keys)
+        lo = [min(i[a] for i in wanted) for a in range(len(plan.shape))]
+        hi = [max(i[a] for i in wanted) + 1 for a in range(len(plan.shape))]
+        if all(l_ == 0 for l_ in lo) and all(h == len(c) for h, c in zip(hi, plan.chunks_out)):
+            return super().cull(keys, all_hlg_keys)
+        from dataclasses import replace
+
+        from dask.base import tokenize
+
+        from ..distribution import Box
+
+        starts = [[0, *accumulate(c)] for c in plan.chunks_out]
+        region = Box(tuple(s[i] for s, i in zip(starts, lo)), tuple(s[i] for s, i in zip(starts, hi)))
+        part = plan.restricted(region)
+        run = f"{name}-{tokenize(region.lower, region.upper)}"  # (a run of its own: ``pgas-rechunk-<token>``)
+        if part.is_local and not spec.delay and local_ok:
+            dsk = build_local_graph(x, part, run, epoch, spec.package, key_name=name)
+        else:
+            dsk = build_graph(x, part, run, epoch, replace(spec, input_boxes=part.input_boxes,
+                                                            output_boxes=part.output_boxes), key_name=name)
+        return MaterializedLayer(dsk, annotations=self.annotations).cull(keys, all_hlg_keys)

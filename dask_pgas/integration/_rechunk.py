@@ -149,10 +149,10 @@ def rechunk(
     from dask.array.core import Array, new_da_object
     from dask.array.rechunk import _balance_chunksizes, _validate_rechunk
     from dask.base import tokenize
-    from dask.highlevelgraph import HighLevelGraph
+    from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
     from ..geometry.chunks import plan_chunks
-    from ._graph import build_graph, build_local_graph
+    from ._graph import RechunkLayer, build_graph, build_local_graph
 
     args = (threshold, block_size_limit, balance)
     if method not in (None, "pgas"):  # same signature as Array.rechunk: other methods are Dask's
@@ -223,18 +223,20 @@ def rechunk(
     npes = len(world["workers"])
     plan = plan_chunks(x.chunks, target, npes, world["locations"])
     spec = RunSpec(plan.input_boxes, plan.output_boxes, x.dtype, package, float(_delay))
-    local = plan.is_local and not _delay and setting("local-rechunk")
+    local_ok = setting("local-rechunk")
+    local = plan.is_local and not _delay and local_ok
     token = tokenize(x, target, "pgas", world["epoch"], npes, spec, local)
     name = f"pgas-rechunk-{token}"
-    if local:
-        dsk = build_local_graph(x, plan, name, world["epoch"], package)
-    else:
-        dsk = build_graph(x, plan, name, world["epoch"], spec)
+    if local:  # (one task per output chunk: Dask culls it as it culls its own rechunk)
+        layer = MaterializedLayer(build_local_graph(x, plan, name, world["epoch"], package))
+    else:  # (a selection of the result runs the exchange of its region only)
+        layer = RechunkLayer(build_graph(x, plan, name, world["epoch"], spec), x, plan, name, world["epoch"], spec,
+                             local_ok)
     with _owners_lock:
         _owners[name] = plan.output_owner()
         while len(_owners) > 64:
             _owners.popitem(last=False)
-    graph = HighLevelGraph.from_collections(name, dsk, dependencies=[x])
+    graph = HighLevelGraph.from_collections(name, layer, dependencies=[x])
     return new_da_object(graph, name, target, meta=x._meta, dtype=x.dtype)
 
 

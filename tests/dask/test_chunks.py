@@ -102,6 +102,57 @@ def test_chunk_sources_rebuild_every_output_chunk(grid):
     assert seen == math.prod(len(c) for c in chunks_out)
 
 
+@settings(max_examples=150, deadline=None)
+@given(grids(), st.integers(1, 7), st.data())
+def test_a_restricted_plan_builds_the_output_chunks_of_its_region(grid, npes, data):
+    """A selection of a rechunk's result needs only the output chunks in a region: the restricted plan's boxes
+    tile that region, every output chunk in it is built on the PE the full plan gives it, and moving the input
+    chunks' pieces through the restricted boxes (simulated with NumPy) gives those chunks' values."""
+    chunks_in, chunks_out = grid
+    shape = tuple(sum(c) for c in chunks_in)
+    full = plan_chunks(chunks_in, chunks_out, npes)
+    lo_i = [data.draw(st.integers(0, len(c) - 1)) for c in chunks_out]
+    hi_i = [data.draw(st.integers(lo + 1, len(c))) for lo, c in zip(lo_i, chunks_out)]
+    starts_in = [np.concatenate(([0], np.cumsum(c))).astype(int) for c in chunks_in]
+    starts_out = [np.concatenate(([0], np.cumsum(c))).astype(int) for c in chunks_out]
+    region = Box(tuple(int(st_[i]) for st_, i in zip(starts_out, lo_i)),
+                 tuple(int(st_[i]) for st_, i in zip(starts_out, hi_i)))
+    plan = full.restricted(region)
+    inside = np.zeros(shape, dtype=int)
+    inside[tuple(slice(lo, up) for lo, up in zip(region.lower, region.upper))] = 1
+    assert (_cover(plan.input_boxes, shape) == inside).all()
+    assert (_cover(plan.output_boxes, shape) == inside).all()
+    owner, full_owner = plan.output_owner(), full.output_owner()
+    in_region = {i for i in full_owner if all(lo <= k < hi for k, lo, hi in zip(i, lo_i, hi_i))}
+    assert set(owner) == in_region and all(owner[i] == full_owner[i] for i in owner)
+    ref = np.arange(math.prod(shape)).reshape(shape)
+    # each PE packs its input box from the input chunks' pieces, the "collective" writes the region, each
+    # output box is read back from it and its chunks cut out
+    moved = np.full(shape, -1)
+    for pe, box in enumerate(plan.input_boxes):
+        packed = np.full(box.box_shape, -1)
+        for p in plan.inputs[pe]:
+            chunk = ref[tuple(slice(int(st_[i]), int(st_[i + 1])) for st_, i in zip(starts_in, p.index))]
+            packed[p.box_slices] = chunk[p.chunk_slices]
+        assert (packed >= 0).all()
+        moved[tuple(slice(lo, up) for lo, up in zip(box.lower, box.upper))] = packed
+    for pe, box in enumerate(plan.output_boxes):
+        out = moved[tuple(slice(lo, up) for lo, up in zip(box.lower, box.upper))]
+        for p in plan.outputs[pe]:
+            want = ref[tuple(slice(int(st_[i]), int(st_[i + 1])) for st_, i in zip(starts_out, p.index))]
+            np.testing.assert_array_equal(out[p.box_slices], want)
+    if any(c > 1 for c in chunks_out[0]):  # a region that cuts an output chunk is refused
+        with pytest.raises(ValueError, match="output chunk boundaries"):
+            full.restricted(_unaligned(chunks_out, shape))
+
+
+def _unaligned(chunks_out, shape):
+    """A box whose first face lies inside an output chunk of more than one element."""
+    starts = np.concatenate(([0], np.cumsum(chunks_out[0]))).astype(int)
+    k = next(i for i, c in enumerate(chunks_out[0]) if c > 1)
+    return Box((int(starts[k]) + 1,) + (0,) * (len(shape) - 1), shape)
+
+
 def test_regular_slabs_are_one_chunk_each():
     n, p = 64, 4
     plan = plan_chunks(((n,), (n // p,) * p), ((n // p,) * p, (n,)), p)

@@ -593,6 +593,68 @@ def test_array_expression_mode_is_refused():
     assert result.returncode == 0 and "EXPR-OK" in result.stdout, result.stdout + result.stderr
 
 
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=cases(), data=st.data())
+def test_selections_match_numpy(client, case, data):
+    """A selection of a pgas rechunk's result runs the exchange of the region it needs only (RechunkLayer's cull),
+    or of everything when it needs every chunk; either way its values are NumPy's."""
+    shape, dtype, cin, cout, local = case
+    ref = _reference(shape, dtype)
+    sel = []
+    for n in shape:
+        start = data.draw(st.integers(0, n - 1))
+        sel.append(slice(start, data.draw(st.integers(start + 1, n)), data.draw(st.sampled_from([1, 1, 2]))))
+    x = on_device(da.from_array(ref, chunks=cin))
+    with dask.config.set({"pgas.local-rechunk": local}):
+        y = dask_pgas.rechunk(x, cout)
+    np.testing.assert_array_equal(host(y[tuple(sel)].compute()), ref[tuple(sel)])
+    assert dask_pgas.world(client).broken is None
+
+
+def test_a_selection_runs_the_exchange_of_its_region_only(client):
+    """y[:5].compute() computed every input chunk and ran the whole exchange (the barrier depends on every
+    transfer task); now only the input chunks that meet the output chunks it needs, through a smaller run,
+    whose output chunks lie on the PEs the full plan gives them."""
+    from distributed import get_task_stream
+
+    from dask_pgas.integration._graph import RechunkLayer
+
+    ref = _reference((60, 40), "float64")
+    x = on_device(da.from_array(ref, chunks=(10, 20)))  # 12 chunks, 6 of them in rows 0-30
+    y = dask_pgas.rechunk(x, (30, 40))
+    assert isinstance(y.dask.layers[y.name], RechunkLayer)  # (a collective plan, not a local one)
+    z = y[:5]
+    culled = dict(z.__dask_graph__().cull(set(dask.core.flatten(z.__dask_keys__()))))
+    assert sum(1 for k in culled if type(k) is tuple and k[0] == x.name) == 6
+    with get_task_stream(client) as stream:
+        np.testing.assert_array_equal(host(z.compute()), ref[:5])
+    ran = [t["key"] for t in stream.data]
+    assert sum(1 for k in ran if type(k) is tuple and k[0] == x.name) == 6
+    assert any(type(k) is str and k.startswith(f"pgas-barrier-{y.name[len('pgas-rechunk-'):]}-") for k in ran)
+    # every output chunk: the whole run, as before
+    np.testing.assert_array_equal(host(y.compute()), ref)
+    assert dask_pgas.world(client).broken is None
+
+
+def test_a_selection_and_the_whole_result_computed_at_once_agree(client):
+    """A selection's graph has output tasks of the whole rechunk's keys with other dependencies: computed at the
+    same time, distributed keeps the first graph's tasks for the shared keys. Both results are right, in either
+    order, and no run is left behind."""
+    ref = _reference((60, 40), "float64")
+    for order in ("whole first", "selection first", "two regions"):
+        y = dask_pgas.rechunk(on_device(da.from_array(ref, chunks=(10, 20))), (30, 40))
+        if order == "whole first":
+            futures, want = [client.compute(y), client.compute(y[:5])], [ref, ref[:5]]
+        elif order == "selection first":
+            futures, want = [client.compute(y[:5]), client.compute(y)], [ref[:5], ref]
+        else:
+            futures, want = [client.compute(y[:5]), client.compute(y[40:])], [ref[:5], ref[40:]]
+        for got, expected in zip(client.gather(futures), want):
+            np.testing.assert_array_equal(host(got), expected)
+        del futures
+    assert dask_pgas.world(client).broken is None
+
+
 def test_world_and_bootstrap_idempotent(client):
     w1 = dask_pgas.world(client)
     w2 = dask_pgas.bootstrap(client)
