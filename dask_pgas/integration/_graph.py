@@ -221,7 +221,9 @@ class RechunkLayer(MaterializedLayer):
             return super().cull(keys, all_hlg_keys)
         lo = [min(i[a] for i in wanted) for a in range(len(plan.shape))]
         hi = [max(i[a] for i in wanted) + 1 for a in range(len(plan.shape))]
-        if all(l_ == 0 for l_ in lo) and all(h == len(c) for h, c in zip(hi, plan.chunks_out)):
+        starts = [[0, *accumulate(c)] for c in plan.chunks_out]
+        lower, upper = tuple(s[i] for s, i in zip(starts, lo)), tuple(s[i] for s, i in zip(starts, hi))
+        if all(v == 0 for v in lower) and upper == tuple(plan.shape):  # (every element: the whole run)
             return super().cull(keys, all_hlg_keys)
         from dataclasses import replace
 
@@ -229,8 +231,7 @@ class RechunkLayer(MaterializedLayer):
 
         from ..distribution import Box
 
-        starts = [[0, *accumulate(c)] for c in plan.chunks_out]
-        region = Box(tuple(s[i] for s, i in zip(starts, lo)), tuple(s[i] for s, i in zip(starts, hi)))
+        region = Box(lower, upper)
         part = plan.restricted(region)
         run = f"{name}-{tokenize(region.lower, region.upper)}"  # (a run of its own: ``pgas-rechunk-<token>``)
         if part.is_local and not spec.delay and local_ok:
@@ -238,4 +239,13 @@ class RechunkLayer(MaterializedLayer):
         else:
             dsk = build_graph(x, part, run, epoch, replace(spec, input_boxes=part.input_boxes,
                                                             output_boxes=part.output_boxes), key_name=name)
-        return MaterializedLayer(dsk, annotations=self.annotations).cull(keys, all_hlg_keys)
+        # The new run's keys are in no other layer's ``all_hlg_keys`` (Dask 2025.1's default cull finds a task's
+        # dependencies among those only, and lost the run's barrier and transfer tasks): walk the tasks' own.
+        seen, work = set(), [k for k in keys if k in dsk]
+        while work:
+            k = work.pop()
+            if k not in seen:
+                seen.add(k)
+                work.extend(d for d in dsk[k].dependencies if d in dsk)
+        return (MaterializedLayer({k: dsk[k] for k in seen}, annotations=self.annotations),
+                {k: set(dsk[k].dependencies) for k in seen})
