@@ -217,7 +217,9 @@ class RechunkLayer(MaterializedLayer):
         x, plan, name, epoch, spec, local_ok = self._rebuild
         owner = plan.output_owner()
         wanted = [k[1:] for k in keys if type(k) is tuple and k and k[0] == name and k[1:] in owner]
-        if not wanted:  # (chunks without elements only, or none: no run)
+        if not wanted or _held_by_the_client(name, wanted):  # (no run needed; or the whole graph's tasks
+            # are on the scheduler already: a region run's output tasks, of the same keys with other
+            # dependencies, would collide with them)
             return super().cull(keys, all_hlg_keys)
         lo = [min(i[a] for i in wanted) for a in range(len(plan.shape))]
         hi = [max(i[a] for i in wanted) + 1 for a in range(len(plan.shape))]
@@ -240,8 +242,11 @@ class RechunkLayer(MaterializedLayer):
             dsk = build_graph(x, part, run, epoch, replace(spec, input_boxes=part.input_boxes,
                                                             output_boxes=part.output_boxes), key_name=name)
         # The new run's keys are in no other layer's ``all_hlg_keys`` (Dask 2025.1's default cull finds a task's
-        # dependencies among those only, and lost the run's barrier and transfer tasks): walk the tasks' own.
-        seen, work = set(), [k for k in keys if k in dsk]
+        # dependencies among those only, and lost the run's barrier and transfer tasks): walk the tasks' own,
+        # from this layer's keys asked for (never a chunk outside the region: its task here is a stand-in).
+        inside = part.output_owner()
+        seen, work = set(), [k for k in keys if k in dsk and (type(k) is not tuple or k[0] != name
+                                                             or k[1:] not in owner or k[1:] in inside)]
         while work:
             k = work.pop()
             if k not in seen:
@@ -249,3 +254,26 @@ class RechunkLayer(MaterializedLayer):
                 work.extend(d for d in dsk[k].dependencies if d in dsk)
         return (MaterializedLayer({k: dsk[k] for k in seen}, annotations=self.annotations),
                 {k: set(dsk[k].dependencies) for k in seen})
+
+
+def _held_by_the_client(name: str, wanted: list) -> bool:
+    """Whether any of these output chunks of rechunk ``name`` has a task on the scheduler already (persisted
+    with ``client.persist(y)`` before ``y`` is sliced, or computed by a graph still running): those tasks have
+    the whole run's dependencies, and a region run's output tasks of the same keys would collide with them.
+
+    Dask 2025.2 and later materialize (and cull) a graph on the scheduler, in its ``update_graph``, where the
+    scheduler's own tasks answer exactly; earlier ones on the client, where only its futures tell (a graph of
+    another client, or a compute still running, is not seen there)."""
+    from ._scheduler_plugin import schedulers_here
+
+    keys = [(name, *index) for index in wanted]
+    for scheduler in schedulers_here():
+        if any(k in scheduler.tasks for k in keys):
+            return True
+    try:
+        from distributed import default_client
+
+        futures = default_client().futures
+    except (ImportError, ValueError):  # no client here (on the scheduler)
+        return False
+    return any(k in futures for k in keys)

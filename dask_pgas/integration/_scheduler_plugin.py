@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
+import weakref
 from typing import Any
 
 from dask.utils import parse_timedelta
@@ -29,6 +30,14 @@ from ._config import duration, problem, setting
 logger = logging.getLogger("dask_pgas.integration")
 
 PLUGIN_NAME = "dask-pgas"
+
+_SCHEDULERS: weakref.WeakSet = weakref.WeakSet()  # the schedulers of this process with the plugin
+
+
+def schedulers_here() -> list:
+    """The schedulers running in this process with the dask_pgas plugin (one in a scheduler process; a
+    LocalCluster's, in its client's process)."""
+    return list(_SCHEDULERS)
 
 
 class _Run:
@@ -108,6 +117,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
+        _SCHEDULERS.add(scheduler)
         self._lock = asyncio.Lock()
         scheduler.handlers.update(
             {

@@ -652,7 +652,41 @@ def test_a_selection_and_the_whole_result_computed_at_once_agree(client):
         for got, expected in zip(client.gather(futures), want):
             np.testing.assert_array_equal(host(got), expected)
         del futures
+        assert _no_tasks_left(client, y.name[len("pgas-rechunk-"):]), order
     assert dask_pgas.world(client).broken is None
+
+
+def _no_tasks_left(client, token: str) -> bool:
+    """Whether the scheduler has forgotten every task of rechunk ``token`` (its release is asynchronous)."""
+    import time
+
+    def tasks_of(dask_scheduler, token=token):
+        return [str(k) for k in dask_scheduler.tasks if token in str(k)]
+
+    for _ in range(50):
+        if not client.run_on_scheduler(tasks_of):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_selection_of_a_rechunk_the_client_persisted_reads_the_persisted_chunks(client):
+    """client.persist(y), then y[:5] of the lazy y: the chunks are in memory with the whole run's tasks, and a
+    region run's output tasks (the same keys, other dependencies) collided with them: distributed warned and kept
+    the region run's transfer and barrier tasks on the scheduler for good. The selection now reads the
+    persisted chunks, and runs nothing else."""
+    from distributed import get_task_stream, wait
+
+    ref = _reference((60, 40), "float64")
+    y = dask_pgas.rechunk(on_device(da.from_array(ref, chunks=(10, 20))), (30, 40))
+    held = client.persist(y)
+    wait(held)
+    with get_task_stream(client) as stream:
+        np.testing.assert_array_equal(host(y[:5].compute()), ref[:5])
+    assert not [t["key"] for t in stream.data if "pgas" in str(t["key"])]
+    del held
+
+    assert _no_tasks_left(client, y.name[len("pgas-rechunk-"):])
 
 
 def test_world_and_bootstrap_idempotent(client):
