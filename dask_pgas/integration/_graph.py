@@ -261,9 +261,9 @@ def _held_by_the_client(name: str, wanted: list) -> bool:
     with ``client.persist(y)`` before ``y`` is sliced, or computed by a graph still running): those tasks have
     the whole run's dependencies, and a region run's output tasks of the same keys would collide with them.
 
-    Dask 2025.2 and later materialize (and cull) a graph on the scheduler, in its ``update_graph``, where the
-    scheduler's own tasks answer exactly; earlier ones on the client, where only its futures tell (a graph of
-    another client, or a compute still running, is not seen there)."""
+    Dask 2026.8 materializes (and culls) a graph on the scheduler, in its ``update_graph``, where the scheduler's
+    own tasks answer exactly; Dask 2025.1 on the client, where only its futures tell (a graph of another client,
+    or a compute still running, is not seen there)."""
     from ._scheduler_plugin import schedulers_here
 
     keys = [(name, *index) for index in wanted]
