@@ -217,15 +217,15 @@ class RechunkLayer(MaterializedLayer):
         x, plan, name, epoch, spec, local_ok = self._rebuild
         owner = plan.output_owner()
         wanted = [k[1:] for k in keys if type(k) is tuple and k and k[0] == name and k[1:] in owner]
-        if not wanted or _held_by_the_client(name, wanted):  # (no run needed; or the whole graph's tasks
-            # are on the scheduler already: a region run's output tasks, of the same keys with other
-            # dependencies, would collide with them)
+        if not wanted:  # (chunks without elements only, or none: no run)
             return super().cull(keys, all_hlg_keys)
         lo = [min(i[a] for i in wanted) for a in range(len(plan.shape))]
         hi = [max(i[a] for i in wanted) + 1 for a in range(len(plan.shape))]
         starts = [[0, *accumulate(c)] for c in plan.chunks_out]
         lower, upper = tuple(s[i] for s, i in zip(starts, lo)), tuple(s[i] for s, i in zip(starts, hi))
-        if all(v == 0 for v in lower) and upper == tuple(plan.shape):  # (every element: the whole run)
+        if (all(v == 0 for v in lower) and upper == tuple(plan.shape)) or _held_by_the_client(name, wanted):
+            # every element: the whole run; or the whole graph's tasks are on the scheduler already, and a
+            # region run's output tasks (the same keys, other dependencies) would collide with them
             return super().cull(keys, all_hlg_keys)
         from dataclasses import replace
 
