@@ -223,9 +223,7 @@ class RechunkLayer(MaterializedLayer):
         hi = [max(i[a] for i in wanted) + 1 for a in range(len(plan.shape))]
         starts = [[0, *accumulate(c)] for c in plan.chunks_out]
         lower, upper = tuple(s[i] for s, i in zip(starts, lo)), tuple(s[i] for s, i in zip(starts, hi))
-        if (all(v == 0 for v in lower) and upper == tuple(plan.shape)) or _held_by_the_client(name, wanted):
-            # every element: the whole run; or the whole graph's tasks are on the scheduler already, and a
-            # region run's output tasks (the same keys, other dependencies) would collide with them
+        if all(v == 0 for v in lower) and upper == tuple(plan.shape):  # (every element: the whole run)
             return super().cull(keys, all_hlg_keys)
         from dataclasses import replace
 
@@ -241,6 +239,8 @@ class RechunkLayer(MaterializedLayer):
         else:
             dsk = build_graph(x, part, run, epoch, replace(spec, input_boxes=part.input_boxes,
                                                             output_boxes=part.output_boxes), key_name=name)
+        if not _region_run_fits(name, wanted, dsk):  # tasks of these keys with the whole run's dependencies
+            return super().cull(keys, all_hlg_keys)
         # The new run's keys are in no other layer's ``all_hlg_keys`` (Dask 2025.1's default cull finds a task's
         # dependencies among those only, and lost the run's barrier and transfer tasks): walk the tasks' own,
         # from this layer's keys asked for (never a chunk outside the region: its task here is a stand-in).
@@ -256,24 +256,28 @@ class RechunkLayer(MaterializedLayer):
                 {k: set(dsk[k].dependencies) for k in seen})
 
 
-def _held_by_the_client(name: str, wanted: list) -> bool:
-    """Whether any of these output chunks of rechunk ``name`` has a task on the scheduler already (persisted
-    with ``client.persist(y)`` before ``y`` is sliced, or computed by a graph still running): those tasks have
-    the whole run's dependencies, and a region run's output tasks of the same keys would collide with them.
+def _region_run_fits(name: str, wanted: list, dsk: dict) -> bool:
+    """Whether the region run ``dsk`` may give these output chunks of rechunk ``name``: none of them has a task
+    on the scheduler already, or those that have are this same region run's (the same dependencies: Dask merges
+    them). A task of such a key with other dependencies (the whole run's, after ``client.persist(y)`` and then
+    ``y[:5]``, or ``y`` still being computed) would collide with the region run's output task of the same key,
+    and distributed would keep the region run's other tasks on the scheduler for good.
 
     Dask 2026.8 materializes (and culls) a graph on the scheduler, in its ``update_graph``, where the scheduler's
-    own tasks answer exactly; Dask 2025.1 on the client, where only its futures tell (a graph of another client,
-    or a compute still running, is not seen there)."""
+    own tasks answer; Dask 2025.1 on the client, where only its futures tell (taken as the whole run's; a graph
+    of another client, or a compute still running, is not seen there)."""
     from ._scheduler_plugin import schedulers_here
 
     keys = [(name, *index) for index in wanted]
     for scheduler in schedulers_here():
-        if any(k in scheduler.tasks for k in keys):
-            return True
+        for k in keys:
+            ts = scheduler.tasks.get(k)
+            if ts is not None and {d.key for d in ts.dependencies} != set(dsk[k].dependencies):
+                return False
     try:
         from distributed import default_client
 
         futures = default_client().futures
     except (ImportError, ValueError):  # no client here (on the scheduler)
-        return False
-    return any(k in futures for k in keys)
+        return True
+    return not any(k in futures for k in keys)
