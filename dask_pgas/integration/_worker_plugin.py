@@ -78,14 +78,10 @@ class _RunError(CollectiveError):
     class as well as by :class:`CollectiveError`, whichever PE's task reports it."""
 
     fatal = False
-    _also: str | None = None  # the name of the PEs' own class this one also derives from (None: only this)
-
-    def __reduce__(self):  # (a class made at run time: rebuilt by name where it is unpickled)
-        return _rebuild_run_error, (self._also, self.args), self.__dict__ or None
 
 
 _AGREED_CLASSES: dict[str, type[_RunError]] = {}
-_AGREED_LOCK = threading.RLock()  # (re-entered by the probe's unpickling)
+_AGREED_LOCK = threading.Lock()
 #: builtins an agreed error never derives from: ones this module's waits catch themselves, or Python's signals
 _NOT_AGREED = frozenset({"TimeoutError", "StopIteration", "StopAsyncIteration"})
 
@@ -131,11 +127,11 @@ def agreed_error_class(name: str | None) -> type[_RunError]:
     with _AGREED_LOCK:  # (one class per name in a process: the collective thread and unpickling may race)
         if name in _AGREED_CLASSES:
             return _AGREED_CLASSES[name]
-        try:
+        try:  # (found by name through this module's ``__getattr__``, so instances and the class pickle by
+            # reference; entered before the probe, which looks it up so)
             cls = _AGREED_CLASSES[name] = type(f"Run{name}", (base, _RunError), {
-                "__module__": __name__, "__doc__": _RunError.__doc__, "_also": name,
-                # (the base's own, as OSError's, would come first in the MRO)
-                "__reduce__": _RunError.__reduce__, "__str__": _RunError.__str__})
+                "__module__": __name__, "__doc__": _RunError.__doc__,
+                "__str__": _RunError.__str__})  # (the base's own, as OSError's, would come first in the MRO)
             probe = cls("PE 0: probe")
             if type(pickle.loads(pickle.dumps(probe))) is not cls or str(probe) != "PE 0: probe":
                 raise TypeError("does not survive pickling")
@@ -144,12 +140,9 @@ def agreed_error_class(name: str | None) -> type[_RunError]:
     return cls
 
 
-def _rebuild_run_error(name: str | None, args: tuple) -> _RunError:
-    return agreed_error_class(name)(*args)
-
-
 def __getattr__(attr: str) -> Any:
-    """``Run<name>``: the agreed error classes, made on first use (so that they pickle by reference too)."""
+    """``Run<name>``: the agreed error classes, made on first use, so that they and their instances pickle by
+    reference in any process."""
     if attr.startswith("Run") and (cls := agreed_error_class(attr[3:])) is not _RunError:
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
