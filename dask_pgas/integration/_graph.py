@@ -209,15 +209,18 @@ class RechunkLayer(MaterializedLayer):
     is built on the PE the full plan gives it), reading only the input chunks that meet the box, instead of
     the whole input and the whole exchange (the barrier depends on every transfer task)."""
 
-    def __init__(self, dsk: dict, x, plan, name: str, epoch: int, spec: RunSpec, local_ok: bool) -> None:
+    def __init__(self, dsk: dict, x, plan, owner: dict, name: str, epoch: int, spec: RunSpec,
+                 local_ok: bool) -> None:
         super().__init__(dsk)
-        self._rebuild = (x, plan, name, epoch, spec, local_ok)  # (local_ok: pgas.local-rechunk when built)
+        # (owner: ``plan.output_owner()``; local_ok: pgas.local-rechunk when built)
+        self._rebuild = (x, plan, owner, name, epoch, spec, local_ok)
 
     def cull(self, keys, all_hlg_keys):
-        x, plan, name, epoch, spec, local_ok = self._rebuild
-        owner = plan.output_owner()
+        from dask._task_spec import cull
+
+        x, plan, owner, name, epoch, spec, local_ok = self._rebuild
         wanted = [k[1:] for k in keys if type(k) is tuple and k and k[0] == name and k[1:] in owner]
-        if not wanted:  # (chunks without elements only, or none: no run)
+        if len(wanted) in (0, len(owner)):  # (chunks without elements only, or none: no run; or every chunk)
             return super().cull(keys, all_hlg_keys)
         lo = [min(i[a] for i in wanted) for a in range(len(plan.shape))]
         hi = [max(i[a] for i in wanted) + 1 for a in range(len(plan.shape))]
@@ -242,18 +245,14 @@ class RechunkLayer(MaterializedLayer):
         if not _region_run_fits(name, wanted, dsk):  # tasks of these keys with the whole run's dependencies
             return super().cull(keys, all_hlg_keys)
         # The new run's keys are in no other layer's ``all_hlg_keys`` (Dask 2025.1's default cull finds a task's
-        # dependencies among those only, and lost the run's barrier and transfer tasks): walk the tasks' own,
-        # from this layer's keys asked for (never a chunk outside the region: its task here is a stand-in).
+        # dependencies among those only, and lost the run's barrier and transfer tasks): Dask's own cull by the
+        # tasks' dependencies, from this layer's keys asked for (never a chunk outside the region: its task here
+        # is a stand-in).
         inside = part.output_owner()
-        seen, work = set(), [k for k in keys if k in dsk and (type(k) is not tuple or k[0] != name
-                                                             or k[1:] not in owner or k[1:] in inside)]
-        while work:
-            k = work.pop()
-            if k not in seen:
-                seen.add(k)
-                work.extend(d for d in dsk[k].dependencies if d in dsk)
-        return (MaterializedLayer({k: dsk[k] for k in seen}, annotations=self.annotations),
-                {k: set(dsk[k].dependencies) for k in seen})
+        kept = cull(dsk, [k for k in keys if k in dsk and (type(k) is not tuple or k[0] != name
+                                                          or k[1:] not in owner or k[1:] in inside)])
+        return (MaterializedLayer(kept, annotations=self.annotations),
+                {k: set(task.dependencies) for k, task in kept.items()})
 
 
 def _region_run_fits(name: str, wanted: list, dsk: dict) -> bool:
@@ -264,16 +263,17 @@ def _region_run_fits(name: str, wanted: list, dsk: dict) -> bool:
     and distributed would keep the region run's other tasks on the scheduler for good.
 
     Dask 2026.8 materializes (and culls) a graph on the scheduler, in its ``update_graph``, where the scheduler's
-    own tasks answer; Dask 2025.1 on the client, where only its futures tell (taken as the whole run's; a graph
-    of another client, or a compute still running, is not seen there)."""
+    own tasks answer (so also on a client whose scheduler runs in its process); Dask 2025.1 on the client, where
+    otherwise only its futures tell (taken as the whole run's; a graph of another client, or a compute still
+    running, is not seen there)."""
     from ._scheduler_plugin import schedulers_here
 
     keys = [(name, *index) for index in wanted]
-    for scheduler in schedulers_here():
-        for k in keys:
-            ts = scheduler.tasks.get(k)
-            if ts is not None and {d.key for d in ts.dependencies} != set(dsk[k].dependencies):
-                return False
+    schedulers = schedulers_here()
+    if schedulers:  # (the scheduler's own tasks: the exact answer)
+        return not any((ts := scheduler.tasks.get(k)) is not None
+                       and {d.key for d in ts.dependencies} != set(dsk[k].dependencies)
+                       for scheduler in schedulers for k in keys)
     try:
         from distributed import default_client
 

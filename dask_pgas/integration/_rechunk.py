@@ -227,13 +227,14 @@ def rechunk(
     local = plan.is_local and not _delay and local_ok
     token = tokenize(x, target, "pgas", world["epoch"], npes, spec, local)
     name = f"pgas-rechunk-{token}"
+    owner = plan.output_owner()
     if local:  # (one task per output chunk: Dask culls it as it culls its own rechunk)
         layer = MaterializedLayer(build_local_graph(x, plan, name, world["epoch"], package))
     else:  # (a selection of the result runs the exchange of its region only)
-        layer = RechunkLayer(build_graph(x, plan, name, world["epoch"], spec), x, plan, name, world["epoch"], spec,
-                             local_ok)
+        layer = RechunkLayer(build_graph(x, plan, name, world["epoch"], spec), x, plan, owner, name,
+                             world["epoch"], spec, local_ok)
     with _owners_lock:
-        _owners[name] = plan.output_owner()
+        _owners[name] = owner
         while len(_owners) > 64:
             _owners.popitem(last=False)
     graph = HighLevelGraph.from_collections(name, layer, dependencies=[x])
