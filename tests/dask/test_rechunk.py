@@ -639,16 +639,24 @@ def test_a_selection_runs_the_exchange_of_its_region_only(client):
 def test_a_selection_and_the_whole_result_computed_at_once_agree(client):
     """A selection's graph has output tasks of the whole rechunk's keys with other dependencies: computed at the
     same time, distributed keeps the first graph's tasks for the shared keys. Both results are right, in either
-    order, and no run is left behind."""
+    order, and no run is left behind; so for two selections whose regions overlap."""
+    from dask_pgas.integration._graph import RechunkLayer
+
     ref = _reference((60, 40), "float64")
-    for order in ("whole first", "selection first", "two regions"):
-        y = dask_pgas.rechunk(on_device(da.from_array(ref, chunks=(10, 20))), (30, 40))
+    for order in ("whole first", "selection first", "two regions", "overlapping regions"):
+        if order == "overlapping regions":  # (input rows of 15: a collective plan, not concatenations)
+            y = dask_pgas.rechunk(on_device(da.from_array(ref, chunks=(15, 20))), (10, 40))
+        else:
+            y = dask_pgas.rechunk(on_device(da.from_array(ref, chunks=(10, 20))), (30, 40))
+        assert isinstance(y.dask.layers[y.name], RechunkLayer), order  # (a collective plan)
         if order == "whole first":
             futures, want = [client.compute(y), client.compute(y[:5])], [ref, ref[:5]]
         elif order == "selection first":
             futures, want = [client.compute(y[:5]), client.compute(y)], [ref[:5], ref]
-        else:
+        elif order == "two regions":
             futures, want = [client.compute(y[:5]), client.compute(y[40:])], [ref[:5], ref[40:]]
+        else:  # rows 0-30 and 10-50: two region runs that share the output chunks of rows 10-30
+            futures, want = [client.compute(y[:25]), client.compute(y[15:45])], [ref[:25], ref[15:45]]
         for got, expected in zip(client.gather(futures), want):
             np.testing.assert_array_equal(host(got), expected)
         del futures
