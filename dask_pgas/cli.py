@@ -138,12 +138,12 @@ def demo(args: argparse.Namespace) -> int:
     s = "s" if workers > 1 else ""
     kind = f"{workers} GPU worker{s}" if gpus else f"{workers} CPU worker{s} (MPI rank{s})"
     print(f"dask-pgas demo: {n} x {n} float64 ({format_bytes(n * n * 8)}), {kind}")
-    print(f"  column slabs {cols} -> row slabs {rows} -> column slabs, median of {args.repeats}")
+    print(f"  column slabs {cols} -> row slabs {rows} -> column slabs, median of {args.repeats}", flush=True)
     t0 = time.perf_counter()
     with dask_pgas.LocalMPICluster(n_workers=workers, backends=["nvshmem"] if gpus else ["mpi"],
                                    gpus=gpus) as cluster, \
             Client(cluster) as client:
-        print(f"  cluster up in {time.perf_counter() - t0:.1f}s: {cluster.world}")
+        print(f"  cluster up in {time.perf_counter() - t0:.1f}s: {cluster.world}", flush=True)
         dask_pgas.install()
         x = da.random.random((n, n), chunks=cols)
         if gpus:
@@ -152,7 +152,10 @@ def demo(args: argparse.Namespace) -> int:
             x = x.map_blocks(cupy.asarray)
         x = x.persist()
         wait(x)
+        gb = n * n * 8 / 1e9
         results = {}
+        # each method's row as soon as it is measured (the three together take most of a minute at 1 GiB)
+        print(f"  {'method':<7} {'cols->rows':>12} {'rows->cols':>12}  check", flush=True)
         for method in ("pgas", "tasks", "p2p") if not args.pgas_only else ("pgas",):
             try:
                 # after one warm-up each: the first call of a method plans, touches fresh memory and, on GPU
@@ -164,19 +167,14 @@ def demo(args: argparse.Namespace) -> int:
                 ok = bool(da.all(z == x).compute()) and bool(da.all(y == x.rechunk(rows, method="tasks")).compute())
                 results[method] = (fwd, back, ok)
                 del y, z
+                print(f"  {method:<7} {gb / fwd:>8.2f} GB/s {gb / back:>8.2f} GB/s  {'OK' if ok else 'WRONG'}",
+                      flush=True)
             except Exception as exc:  # a peer method not available on this cluster
                 results[method] = exc
-        gb = n * n * 8 / 1e9
+                print(f"  {method:<7} {'n/a':>12} {'n/a':>12}  {type(exc).__name__}: {exc}", flush=True)
         copy = None
         if gpus:  # the same bytes copied on the workers' GPUs: the ceiling of any GPU rechunk
             copy = device_copy_reference(client, n * n * 8 // workers)
-        print(f"  {'method':<7} {'cols->rows':>12} {'rows->cols':>12}  check")
-        for method, r in results.items():
-            if isinstance(r, Exception):
-                print(f"  {method:<7} {'n/a':>12} {'n/a':>12}  {type(r).__name__}: {r}")
-                continue
-            fwd, back, ok = r
-            print(f"  {method:<7} {gb / fwd:>8.2f} GB/s {gb / back:>8.2f} GB/s  {'OK' if ok else 'WRONG'}")
         good = [r for r in results.values() if not isinstance(r, Exception)]
         if "pgas" in results and not isinstance(results["pgas"], Exception):
             peers = [r for m, r in results.items() if m != "pgas" and not isinstance(r, Exception)]

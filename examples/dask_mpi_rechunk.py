@@ -6,6 +6,10 @@ Rank 0 runs the scheduler, rank 1 this client code, ranks 2..4 one ``distributed
 the MPI process: no Nanny); any ``-n`` of at least 3 works, with ``n - 2`` workers. ``dask_pgas.bootstrap``
 builds a communicator of the worker ranks only and brings the PGAS runtime up on each worker;
 ``dask_pgas.rechunk`` then moves the data in one collective.
+
+It prints the world and ``rechunk OK (...)`` and exits with status 0. After that, distributed may log
+``CommClosedError ... Stream is closed`` tracebacks from workers whose connection to the scheduler closed
+first while dask-mpi shut the job down: a dask-mpi script without dask_pgas prints them too (docs/dask.md).
 """
 
 import dask_mpi

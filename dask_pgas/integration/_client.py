@@ -8,6 +8,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from dask.utils import format_bytes
+
 from ..errors import PGASWorldError
 from ..runtime import without_unused_backends
 from ._config import duration, setting
@@ -53,9 +55,10 @@ class World:
             extra = ""
             i = self.info.get(w)
             if isinstance(i, dict):
-                extra = (f"  heap={i.get('heap', {}).get('bytes', 0)}B runs={i.get('runs', 0)} "
+                extra = (f"  heap={format_bytes(i.get('heap', {}).get('bytes', 0))} runs={i.get('runs', 0)} "
                          f"collective={i.get('collective_seconds', 0.0):.3f}s "
-                         f"idle-output-blocks={i.get('output_pool_idle', 0)}B scratch={i.get('scratch_bytes', 0)}B")
+                         f"idle-output-blocks={format_bytes(i.get('output_pool_idle', 0))} "
+                         f"scratch={format_bytes(i.get('scratch_bytes', 0))}")
             lines.append(f"  PE {pe}: {w}{extra}")
         return "\n".join(lines)
 
@@ -64,7 +67,13 @@ def _client(client, call: str):
     if client is None:
         from distributed import default_client
 
-        client = default_client()
+        try:
+            client = default_client()
+        except ValueError:
+            raise ValueError(
+                f"dask_pgas.{call} needs a Dask client: none was passed and none is running in this process. Start "
+                "one, e.g. Client(dask_pgas.LocalMPICluster(n_workers=4)) or Client(scheduler_file=...) for a "
+                f"dask-mpi job, or pass it: dask_pgas.{call}(client)") from None
     if client.status in ("closing", "closed"):
         raise PGASWorldError(f"the client is {client.status}: use a connected client of the cluster")
     if on_its_event_loop(client):

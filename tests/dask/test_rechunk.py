@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import dask
@@ -712,6 +713,8 @@ def test_world_and_bootstrap_idempotent(client):
     assert w1 == w2 and w1.npes == NWORKERS and w1.backends == (BACKEND,)
     info = dask_pgas.world(client, detail=True)
     assert f"PE {NWORKERS - 1}" in str(info)
+    # sizes as Dask prints them (raw byte counts, "idle-output-blocks=16773632B", read badly)
+    assert re.search(r"heap=\d+(\.\d+)? [kMG]?i?B runs=\d+ .* scratch=\d+(\.\d+)? [kMG]?i?B$", str(info), re.M), info
     assert set(info.info) == set(w1.workers)
 
 

@@ -70,6 +70,27 @@ def test_integration_names_are_listed_but_loaded_on_first_use():
     assert out.returncode == 0, out.stderr
 
 
+def test_integration_calls_without_a_client_say_how_to_get_one():
+    """``dask_pgas.world()`` in a process with no Dask client: Dask's "No clients found" named neither the call
+    nor the cluster to start; the error (still a ``ValueError``, as Dask's) now says both."""
+    import subprocess
+    import sys
+
+    code = (
+        "import dask_pgas\n"
+        "for call in (dask_pgas.world, dask_pgas.bootstrap, dask_pgas.teardown):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except ValueError as e:\n"
+        "        assert f'dask_pgas.{call.__name__} needs a Dask client' in str(e), e\n"
+        "        assert 'LocalMPICluster' in str(e) and e.__suppress_context__, e\n"
+        "    else:\n"
+        "        raise AssertionError(call)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
 def test_errors_are_builtin_subclasses_and_pickle():
     for cls, base in [(errors.DistributionError, ValueError), (errors.NotInitializedError, RuntimeError),
                       (errors.UnsupportedOperandError, TypeError), (errors.SymmetricMemoryError, ValueError),
