@@ -25,7 +25,7 @@ import numpy as np
 
 from ._arrays import array_info, package_name, package_of, to_numpy_dtype
 from .engines.base import Allocation, Engine
-from .errors import BackendUnavailableError, SymmetricMemoryError, warn_leak
+from .errors import BackendUnavailableError, NotSymmetricMemoryError, SymmetricMemoryError, warn_leak
 from .runtime import _control_plane, engine_for_package
 
 __all__ = ["allocate_symmetric_memory", "free_symmetric_memory", "heap_usage", "is_symmetric_memory"]
@@ -70,7 +70,9 @@ def _agree(control, error: str | None, payload: Any = None) -> list[Any]:
 
 
 #: local errors raised with their own class on every rank (the others become SymmetricMemoryError)
-_KEEP: dict[str, type[Exception]] = {"BackendUnavailableError": BackendUnavailableError}
+_KEEP: dict[str, type[Exception]] = {"BackendUnavailableError": BackendUnavailableError,
+                                     "NotSymmetricMemoryError": NotSymmetricMemoryError}
+_NOT_SYMMETRIC = "NotSymmetricMemoryError"
 
 
 def _normalize_shape(shape: int | Sequence[int]) -> tuple[int, ...]:
@@ -277,9 +279,11 @@ def _was_freed(array: Any) -> bool:
     return False
 
 
-def _lookup(array: Any) -> tuple[_Record | None, str | None]:
+def _lookup(array: Any) -> tuple[_Record | None, str | tuple[str, str] | None]:
     """The live allocation whose memory ``array`` is (or views), and why ``array`` cannot be freed (None when it
-    is the array :func:`allocate_symmetric_memory` returned). Local."""
+    is the array :func:`allocate_symmetric_memory` returned; a ``(class name, message)`` pair of :data:`_KEEP`
+    for a non-array or an array not on the heap: a ``TypeError`` too, as nvmath's for arrays it cannot free).
+    Local."""
     seq = _by_id.get(id(array))
     if seq is not None:
         rec = _live.get(seq)
@@ -288,14 +292,15 @@ def _lookup(array: Any) -> tuple[_Record | None, str | None]:
     if _was_freed(array):
         return None, "this array was already freed (double free)"
     if package_of(array) is None:
-        return None, f"expected an array returned by allocate_symmetric_memory, got {type(array).__name__}"
+        return None, (_NOT_SYMMETRIC, f"expected an array returned by allocate_symmetric_memory, got "
+                      f"{type(array).__name__}")
     rec = _record_at(array_info(array).ptr)
     if rec is not None:
         return rec, (
             f"the array is a view of symmetric memory ({rec.desc}); free the array that "
             "allocate_symmetric_memory returned"
         )
-    return None, "the array was not allocated by dask_pgas.allocate_symmetric_memory"
+    return None, (_NOT_SYMMETRIC, "the array was not allocated by dask_pgas.allocate_symmetric_memory")
 
 
 def _record_at(ptr: int) -> _Record | None:
@@ -364,7 +369,8 @@ def free_symmetric_memory(*arrays: Any) -> None:
     arrays of the same allocations, in the same order).
 
     Raises :class:`SymmetricMemoryError` on every rank, freeing nothing, when any rank passes a view, an array
-    not allocated here, an array freed before, or a different set of allocations.
+    freed before, or a different set of allocations; its subclass :class:`NotSymmetricMemoryError` (also a
+    ``TypeError``, as nvmath's for a CPU array) for an array not allocated here, or an object that is no array.
     """
     with _lock:
         control = _control_plane()
@@ -375,7 +381,7 @@ def free_symmetric_memory(*arrays: Any) -> None:
             except Exception as exc:  # reported to all ranks, never raised alone
                 rec, err = None, f"{type(exc).__name__}: {exc}"
             if err is not None:
-                error = f"argument {i}: {err}"
+                error = (err[0], f"argument {i}: {err[1]}") if isinstance(err, tuple) else f"argument {i}: {err}"
                 break
             records.append(rec)
         if error is None and len({r.seq for r in records}) != len(records):

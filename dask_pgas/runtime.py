@@ -52,6 +52,7 @@ _lock = threading.RLock()
 _engines: dict[str, Engine] = {}
 _owner_pid: int | None = None
 _communicator: Any = None  # the communicator initialize() was called with (None for an installed engine)
+_device_id: int | None = None  # the device_id initialize() was given (reported by get_context, as nvmath keeps it)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,8 @@ class DistributedContext:
     """What the initialized runtime runs on (``nvmath.distributed.DistributedContext`` counterpart).
 
     Attributes:
-        device_id: CUDA device of the ``"nvshmem"`` backend on this process; None without it.
+        device_id: CUDA device of the ``"nvshmem"`` backend on this process; without it, the ``device_id`` given
+            to :func:`initialize` (None by default), which nvmath keeps whatever its backends.
         communicator: the mpi4py communicator given to :func:`initialize` (``MPI.COMM_WORLD`` by default); None
             when the engine was brought up without MPI (:func:`dask_pgas.initialize_from_uniqueid`).
         backends: the initialized backends, e.g. ``("mpi",)``.
@@ -211,7 +213,7 @@ def initialize(
             given (on any rank); the group is not an MPI one (local: without a communicator there is nothing to
             agree over).
     """
-    global _owner_pid, _communicator
+    global _owner_pid, _communicator, _device_id
     group = process_group if process_group is not None else communicator
     both = process_group is not None and communicator is not None and process_group is not communicator
     with _lock:
@@ -253,6 +255,7 @@ def initialize(
         _engines.update(started)
         _owner_pid = os.getpid()
         _communicator = comm
+        _device_id = device_id
 
 
 def install_engine(engine: Engine) -> None:
@@ -271,7 +274,7 @@ def finalize() -> None:
     Raises :class:`SymmetricMemoryError` on every rank, finalizing nothing, while any rank still references a
     symmetric array (or a view of one) that was not freed: its memory would be freed under it. Allocations
     whose arrays were garbage collected unfreed are freed here."""
-    global _owner_pid, _communicator
+    global _owner_pid, _communicator, _device_id
     from .memory import _free_all, _in_use
 
     with _lock:
@@ -293,6 +296,7 @@ def finalize() -> None:
             _engines.clear()
             _owner_pid = None
             _communicator = None
+            _device_id = None
             first = None
             for engine in reversed(engines):  # every engine, whatever one of them raised (agreed: on every rank)
                 try:
@@ -325,7 +329,7 @@ def get_context() -> DistributedContext | None:
         first = next(iter(engines.values()))
         nvshmem = engines.get("nvshmem")
         return DistributedContext(
-            device_id=getattr(nvshmem, "device", None),
+            device_id=getattr(nvshmem, "device", None) if nvshmem is not None else _device_id,
             communicator=_communicator,
             backends=tuple(engines),
             rank=first.rank,
@@ -386,7 +390,11 @@ def engine_for_package(package: str, *, allocation: bool = False) -> Engine:
     if native or staged:
         return (native or staged)[0]
     need = "nvshmem" if package in ("cupy", "torch") else "mpi"
+    hint = ""
+    if allocation and package == "torch" and "mpi" in _engines:  # (nvmath's torch symmetric memory is on GPUs)
+        hint = ("; on the mpi engine symmetric memory is NumPy (torch.from_numpy() of it is a tensor over it), and "
+                "torch CPU tensors are reshape operands as they are, symmetric or not")
     raise BackendUnavailableError(
         f"no initialized backend handles {package} arrays (initialized: {sorted(_engines)}); "
-        f"initialize with backends=[{need!r}]"
+        f"initialize with backends=[{need!r}]{hint}"
     )

@@ -636,3 +636,26 @@ def test_empty_shapes_are_both_c_and_f_contiguous():
     assert _contiguity((0, 3), (24, 8), 8) == (True, True)
     assert _contiguity((2, 3), (24, 8), 8) == (True, False)
     assert _contiguity((2, 3), (8, 16), 8) == (False, True)
+
+
+def test_torch_symmetric_memory_on_the_mpi_engine_is_refused_with_the_cpu_way(self_world):
+    """nvmath's ``allocate_symmetric_memory(shape, torch)`` makes GPU tensors; on the mpi engine the refusal says
+    what a CPU port does instead, and that way works: a tensor over symmetric NumPy memory is an operand."""
+    torch = pytest.importorskip("torch")
+    with pytest.raises(errors.BackendUnavailableError, match=r"torch\.from_numpy\(\) of it is a tensor over it"):
+        dask_pgas.allocate_symmetric_memory((4, 2), torch)
+    a = dask_pgas.allocate_symmetric_memory((4, 2), np)
+    a[...] = np.arange(8).reshape(4, 2)
+    box = dask_pgas.Box((0, 0), (4, 2))
+    out = dask_pgas.reshape.reshape(torch.from_numpy(a), box, box)
+    assert isinstance(out, torch.Tensor) and np.array_equal(out.numpy(), a)
+    dask_pgas.free_symmetric_memory(a)
+
+
+def test_freeing_an_array_not_on_the_heap_is_also_a_type_error(self_world):
+    """nvmath raises TypeError when asked to free a CPU array; the error here (still a SymmetricMemoryError, a
+    ValueError) is caught by ``except TypeError`` too, for plain arrays and objects that are no array."""
+    for other in (np.zeros(3), [1, 2]):
+        with pytest.raises(errors.NotSymmetricMemoryError) as info:
+            dask_pgas.free_symmetric_memory(other)
+        assert isinstance(info.value, TypeError) and isinstance(info.value, errors.SymmetricMemoryError)

@@ -184,6 +184,14 @@ def nvmath_process_group():
         out = dask_pgas.reshape.reshape(np.full((1, 2), RANK), Box((RANK, 0), (RANK + 1, 2)),
                                         Box((0, 2 * RANK // SIZE), (SIZE, 2 * (RANK + 1) // SIZE)))
         assert out.shape == (SIZE, 2 * (RANK + 1) // SIZE - 2 * RANK // SIZE), out.shape
+        assert ctx.device_id is None, ctx
+    finally:
+        dask_pgas.finalize()
+    assert runtime.get_context() is None
+    # nvmath keeps the device id it was given, whatever its backends: so does the context here
+    dask_pgas.initialize(RANK % 2, COMM, backends=["mpi"])
+    try:
+        assert runtime.get_context().device_id == RANK % 2, runtime.get_context()
     finally:
         dask_pgas.finalize()
     assert runtime.get_context() is None
