@@ -264,8 +264,8 @@ class LocalMPICluster:
             empty.
 
     Not a ``distributed.deploy.Cluster``: besides ``Client(cluster)`` it offers ``scheduler_address``,
-    ``dashboard_link``, ``get_logs()`` / ``logs()``, ``close()``, ``world``, and ``scale``/``adapt`` only to
-    refuse another size.
+    ``dashboard_link``, ``get_client()``, ``wait_for_workers()``, ``get_logs()`` / ``logs()``, ``close()``,
+    ``world``, and ``scale``/``adapt`` only to refuse another size.
     """
 
     def __init__(
@@ -483,6 +483,35 @@ class LocalMPICluster:
         raise NotImplementedError(
             "a LocalMPICluster's workers are the ranks of one MPI job of a fixed size: it cannot adapt"
         )
+
+    def get_client(self):
+        """This process's current client of this cluster, else a new ``Client(self)`` (as
+        ``distributed.deploy.Cluster.get_client``)."""
+        from distributed import Client
+
+        try:
+            current = Client.current()
+        except ValueError:
+            current = None
+        if current is not None and current.scheduler is not None and current.status == "running" \
+                and current.scheduler.address == self.scheduler_address:
+            return current
+        return Client(self)
+
+    def wait_for_workers(self, n_workers: int | None = None, timeout: float | None = None) -> None:
+        """Block until ``n_workers`` (default: all of the MPI job's) are connected to the scheduler, as
+        ``distributed.deploy.Cluster.wait_for_workers`` (``client.wait_for_workers`` of a client of this cluster
+        calls it); more than the job has can never come and is refused. (Construction already waited for every
+        rank; after a rank died, the restarted worker job comes back.)"""
+        n = self.n_workers if n_workers is None else n_workers
+        if not isinstance(n, int) or not 1 <= n <= self.n_workers:
+            raise ValueError(f"wait_for_workers(n_workers={n_workers!r}): this LocalMPICluster's MPI job has "
+                             f"{self.n_workers} worker ranks, and cannot grow (see scale())")
+        from distributed import Client
+
+        # (by address: a client of the cluster object would call this method again)
+        with Client(self.scheduler_address, set_as_default=False) as client:
+            client.wait_for_workers(n, timeout=timeout)
 
     def get_logs(self) -> dict[str, str]:
         """The scheduler's and the worker jobs' output by process: ``"scheduler"``, ``"workers"`` (the MPI job's

@@ -199,3 +199,31 @@ def test_dashboard_and_logs_as_local_cluster_gives_them(address):
         assert set(logs) == {"scheduler", "workers"} and "Scheduler at" in logs["scheduler"], list(logs)
         assert cluster.logs().startswith("--- scheduler ---\n")
     assert set(cluster.get_logs()) == {"scheduler", "workers"}  # (as they were at close)
+
+
+def test_get_client_and_wait_for_workers_as_distributed_clusters_offer_them(client):
+    """Notebook code written for distributed's clusters calls ``cluster.get_client()`` and
+    ``cluster.wait_for_workers(n)``: they were missing. The current client of the cluster is returned, and a
+    wait for more workers than the MPI job has is refused at once instead of timing out."""
+    from distributed import Client
+
+    from ._xp import NWORKERS
+
+    cluster = client.cluster
+    if not isinstance(cluster, dask_pgas.LocalMPICluster):
+        pytest.skip("not a LocalMPICluster")
+    with client.as_current():
+        assert cluster.get_client() is client
+    other = Client(cluster.scheduler_address, set_as_default=False)  # the current one when entered
+    try:
+        with other.as_current():
+            assert cluster.get_client() is other
+    finally:
+        other.close()
+    cluster.wait_for_workers()
+    cluster.wait_for_workers(1, timeout=30)
+    with pytest.raises(ValueError, match=f"has {NWORKERS} worker ranks"):
+        cluster.wait_for_workers(NWORKERS + 1)
+    client.wait_for_workers(NWORKERS, timeout=30)  # (distributed's client hands this to the cluster's method)
+    with pytest.raises(ValueError, match=f"has {NWORKERS} worker ranks"):
+        client.wait_for_workers(NWORKERS + 1, timeout=30)
