@@ -165,13 +165,14 @@ def demo(args: argparse.Namespace) -> int:
                 back, z = timed_persist(client, lambda y=y, m=method: y.rechunk(cols, method=m), args.repeats,
                                         device_sync=bool(gpus), warmup=True)
                 ok = bool(da.all(z == x).compute()) and bool(da.all(y == x.rechunk(rows, method="tasks")).compute())
-                results[method] = (fwd, back, ok)
                 del y, z
-                print(f"  {method:<7} {gb / fwd:>8.2f} GB/s {gb / back:>8.2f} GB/s  {'OK' if ok else 'WRONG'}",
-                      flush=True)
             except Exception as exc:  # a peer method not available on this cluster
                 results[method] = exc
                 print(f"  {method:<7} {'n/a':>12} {'n/a':>12}  {type(exc).__name__}: {exc}", flush=True)
+            else:
+                results[method] = (fwd, back, ok)
+                print(f"  {method:<7} {gb / fwd:>8.2f} GB/s {gb / back:>8.2f} GB/s  {'OK' if ok else 'WRONG'}",
+                      flush=True)
         copy = None
         if gpus:  # the same bytes copied on the workers' GPUs: the ceiling of any GPU rechunk
             copy = device_copy_reference(client, n * n * 8 // workers)

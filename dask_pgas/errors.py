@@ -69,11 +69,13 @@ class OperandMismatchError(UnsupportedOperandError, ValueError):
 
 
 class SymmetricMemoryError(PGASError, ValueError):
-    """Misuse of symmetric memory: double free, free of a view or foreign array, mismatched sizes."""
+    """Misuse of symmetric memory: double free, free of a view, mismatched sizes (a foreign array:
+    :class:`NotSymmetricMemoryError`)."""
 
 
 class NotSymmetricMemoryError(SymmetricMemoryError, TypeError):
-    """A GPU operand that is not on the symmetric heap; also a ``TypeError``, as nvmath raises there."""
+    """A GPU operand that is not on the symmetric heap, or a ``free_symmetric_memory`` argument that is not an
+    array from :func:`~dask_pgas.allocate_symmetric_memory`; also a ``TypeError``, as nvmath raises there."""
 
 
 class CollectiveError(PGASError, RuntimeError):

@@ -308,6 +308,7 @@ class LocalMPICluster:
             raise ValueError(f"env must map variable names to strings, got {dict(bad_env)!r} (write numbers as "
                              "'1', not 1)")
         self.n_workers = n_workers
+        self._timeout = timeout
         self._dashboard_address = dashboard_address
         self.status = Status.created
         self.world = None
@@ -498,20 +499,34 @@ class LocalMPICluster:
             return current
         return Client(self)
 
-    def wait_for_workers(self, n_workers: int | None = None, timeout: float | None = None) -> None:
+    def wait_for_workers(self, n_workers: int | None = None, timeout: float | None = None):
         """Block until ``n_workers`` (default: all of the MPI job's) are connected to the scheduler, as
         ``distributed.deploy.Cluster.wait_for_workers`` (``client.wait_for_workers`` of a client of this cluster
         calls it); more than the job has can never come and is refused. (Construction already waited for every
         rank; after a rank died, the restarted worker job comes back.)"""
         n = self.n_workers if n_workers is None else n_workers
-        if not isinstance(n, int) or not 1 <= n <= self.n_workers:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"wait_for_workers(n_workers={n_workers!r}): a positive number of workers")
+        if n > self.n_workers:
             raise ValueError(f"wait_for_workers(n_workers={n_workers!r}): this LocalMPICluster's MPI job has "
                              f"{self.n_workers} worker ranks, and cannot grow (see scale())")
+        if self.status != Status.running:
+            raise RuntimeError(f"wait_for_workers: the LocalMPICluster is {self.status.name}")
         from distributed import Client
 
-        # (by address: a client of the cluster object would call this method again)
-        with Client(self.scheduler_address, set_as_default=False) as client:
-            client.wait_for_workers(n, timeout=timeout)
+        # by address (a client of the cluster object would call this method again), connecting within the wait
+        connect = dict(timeout=timeout if timeout is not None else self._timeout, set_as_default=False)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            with Client(self.scheduler_address, **connect) as client:
+                return client.wait_for_workers(n, timeout=timeout)
+
+        async def wait() -> None:  # an asynchronous client's call, awaited there (as distributed's clusters)
+            async with Client(self.scheduler_address, asynchronous=True, **connect) as client:
+                await client.wait_for_workers(n, timeout=timeout)
+
+        return wait()
 
     def get_logs(self) -> dict[str, str]:
         """The scheduler's and the worker jobs' output by process: ``"scheduler"``, ``"workers"`` (the MPI job's

@@ -631,7 +631,9 @@ class PGASWorkerPlugin(WorkerPlugin):
             group.Free()
             sub.Free()
             try:
-                dask_pgas.initialize(WORKER_DEVICE, communicator=comm, backends=backends)
+                # (a device only for NVSHMEM: get_context() reports the one given, and CPU workers have none)
+                dask_pgas.initialize(WORKER_DEVICE if "nvshmem" in backends else None, communicator=comm,
+                                     backends=backends)
                 self.pe, self.npes = comm.Get_rank(), comm.Get_size()
             finally:
                 comm.Free()

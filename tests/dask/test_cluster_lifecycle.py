@@ -4,6 +4,7 @@ let through (a mutation review)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -199,6 +200,10 @@ def test_dashboard_and_logs_as_local_cluster_gives_them(address):
         assert set(logs) == {"scheduler", "workers"} and "Scheduler at" in logs["scheduler"], list(logs)
         assert cluster.logs().startswith("--- scheduler ---\n")
     assert set(cluster.get_logs()) == {"scheduler", "workers"}  # (as they were at close)
+    t0 = time.monotonic()  # (it waited for distributed's connect timeout, 30 s, and raised OSError)
+    with pytest.raises(RuntimeError, match="LocalMPICluster is closed"):
+        cluster.wait_for_workers(timeout=2)
+    assert time.monotonic() - t0 < 2
 
 
 def test_get_client_and_wait_for_workers_as_distributed_clusters_offer_them(client):
@@ -227,3 +232,13 @@ def test_get_client_and_wait_for_workers_as_distributed_clusters_offer_them(clie
     client.wait_for_workers(NWORKERS, timeout=30)  # (distributed's client hands this to the cluster's method)
     with pytest.raises(ValueError, match=f"has {NWORKERS} worker ranks"):
         client.wait_for_workers(NWORKERS + 1, timeout=30)
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="a positive number of workers"):
+            cluster.wait_for_workers(bad)
+
+    async def asynchronous() -> None:  # an asynchronous client's wait is awaited (it was None there)
+        async with Client(cluster, asynchronous=True, set_as_default=False) as aclient:
+            await aclient.wait_for_workers(NWORKERS, timeout=30)
+            await cluster.wait_for_workers(1, timeout=30)
+
+    asyncio.run(asynchronous())
