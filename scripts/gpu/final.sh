@@ -14,7 +14,8 @@
 # call reassembles cuFFTMp once (when not there yet) and runs its JOBs in order:
 #   robust    the core's collective-check programs and random-layout suite under Open MPI (mpi backend)
 #   engine    pytest tests/gpu, then the core's bad-input and symmetric-memory programs on NVSHMEM with CuPy and
-#             torch (pytest -m gpu tests/mpi/test_reshape_mpi.py); beside them gpu_checks at 1, 2 and 4 PEs and the
+#             torch (pytest -m gpu tests/mpi/test_reshape_mpi.py); beside them gpu_checks at 1, 2 and 4 PEs (and at 3
+#             with DASK_PGAS_EMPTY_VIA_PEER=1), tests/gpu/programs/empty_probe.py at 2 and 3 PEs, and the
 #             core suite (random layouts against NumPy) with CuPy, torch and NumPy at 2-4 PEs
 #   mps       gpu_checks, the CuPy core suite and the Dask suite at 2 and 4 PEs under MPS
 #   dask      the Dask suite on 1, 2 and 4 GPU workers and on 2 outside MPI (side by side), then the failure tests
@@ -114,6 +115,13 @@ job_engine() {
   ( for np_ in 1 2 4; do
       step "gpu_checks np=$np_" 100 "$OUT/engine.log" $MPIRUN -n $np_ python3 tests/gpu/programs/gpu_checks.py
     done
+    # empty boxes both ways: through cuFFTMp (empty_probe forces it) and around it (DASK_PGAS_EMPTY_VIA_PEER=1)
+    for np_ in 2 3; do
+      step "empty_probe np=$np_ (cuFFTMp with an empty box)" 60 "$OUT/engine.log" \
+        $MPIRUN -n $np_ python3 tests/gpu/programs/empty_probe.py
+    done
+    step "gpu_checks np=3 DASK_PGAS_EMPTY_VIA_PEER=1" 100 "$OUT/engine.log" \
+      env DASK_PGAS_EMPTY_VIA_PEER=1 $MPIRUN -n 3 python3 tests/gpu/programs/gpu_checks.py
     core_suite 3 cupy 10 100 "$OUT/engine.log"
     core_suite 4 torch 30 100 "$OUT/engine.log"
     core_suite 2 numpy 10 100 "$OUT/engine.log"

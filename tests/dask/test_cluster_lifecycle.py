@@ -174,16 +174,22 @@ def test_auto_memory_limit_shares_the_machine_among_the_workers(client):
     assert limits == [share] * NWORKERS, (limits, share)
 
 
-@pytest.mark.parametrize("address", [":0", None, ""])
-def test_dashboard_and_logs_as_local_cluster_gives_them(address):
+@pytest.mark.parametrize("address", [":0", None, "", "without bokeh"])
+def test_dashboard_and_logs_as_local_cluster_gives_them(address, monkeypatch):
     """The scheduler ran with --no-dashboard, always: no dashboard for notebook users. It now serves one where
-    LocalCluster would (bokeh installed), at ``dashboard_link``; ``dashboard_address=None`` turns it off.
-    ``get_logs()`` gives the processes' output by name, as distributed's clusters do."""
+    LocalCluster would (bokeh installed: the test extra has it), at ``dashboard_link``; ``dashboard_address=None``
+    turns it off. ``get_logs()`` gives the processes' output by name, as distributed's clusters do."""
     import importlib.util
     import urllib.request
 
     from distributed import Client
 
+    if address == "without bokeh":  # (the link is made here, in the process that has or lacks bokeh)
+        address, find_spec = ":0", importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bokeh" else
+                            find_spec(name, *a))
+    elif address:
+        assert importlib.util.find_spec("bokeh") is not None, "the test extra installs bokeh"
     with dask_pgas.LocalMPICluster(n_workers=1, dashboard_address=address, bootstrap=False) as cluster, \
             Client(cluster) as client:
         html = client._repr_html_()

@@ -53,6 +53,10 @@ def test_teardown_kill_and_close(capfd):
         cluster.adapt(minimum=1, maximum=4)
     try:
         with Client(cluster) as client:
+            # memory_limit=None: no host limit on GPU workers (Dask counts CuPy chunks as host memory), the
+            # machine's memory shared on CPU ones (this is the test the GPU machine runs with GPU workers)
+            limits = set(client.run(lambda dask_worker: dask_worker.memory_manager.memory_limit).values())
+            assert limits == {None} if GPU_WORKERS else (len(limits) == 1 and limits.pop() > 0), limits
             x = on_device(da.random.random((300, 300), chunks=(300, 100))).persist()
             ref = host(x.compute())
             np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (100, 300)).compute()), ref)

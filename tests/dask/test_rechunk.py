@@ -401,13 +401,27 @@ def test_lazy_composable(client):
         dask_pgas.uninstall()
 
 
-def _run_in_threads(work, n: int) -> None:
-    """``work(0)`` ... ``work(n - 1)`` at once, each in its own thread."""
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+def _run_in_threads(work, n: int, timeout: float = 240) -> None:
+    """``work(0)`` ... ``work(n - 1)`` at once, each in its own thread; fails if one raises or is still running
+    after ``timeout`` seconds (a thread's exception only warned, and a hung thread went unnoticed)."""
+    import time
+
+    raised = []
+
+    def run(i):
+        try:
+            work(i)
+        except BaseException as exc:
+            raised.append((i, exc))
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + timeout
     for t in threads:
-        t.join(240)
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not raised, raised
+    assert not [t for t in threads if t.is_alive()], f"threads still running after {timeout}s"
 
 
 def test_concurrent_rechunks_from_two_threads(client):
@@ -425,6 +439,7 @@ def test_concurrent_rechunks_from_two_threads(client):
 
     _run_in_threads(work, 2)
     assert not errors, errors
+    assert len(results) == 8, sorted(results)
     for (i, _), got in results.items():
         np.testing.assert_array_equal(host(got), ref + i)
 
@@ -453,11 +468,12 @@ def test_random_rechunks_cancels_and_chains_from_threads_leave_nothing_behind(cl
     import time
 
     ref = _reference((120, 90), "float64")
-    errors = []
+    errors, done = [], []
 
     def work(seed):
         rng = random.Random(seed)
         for i in range(10):
+            done.append((seed, i))
             cin = (rng.choice([10, 30, 40, 120]), rng.choice([9, 30, 45, 90]))
             cout = (rng.choice([7, 20, 60, 120]), rng.choice([10, 30, 90]))
             x = on_device(da.from_array(ref, chunks=cin))
@@ -485,6 +501,7 @@ def test_random_rechunks_cancels_and_chains_from_threads_leave_nothing_behind(cl
 
     _run_in_threads(work, 3)
     assert not errors, errors
+    assert len(done) == 30, sorted(done)
     deadline = time.monotonic() + 30
     while any(_bookkeeping(client).values()) and time.monotonic() < deadline:
         time.sleep(0.1)
