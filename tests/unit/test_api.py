@@ -49,13 +49,19 @@ def test_nvmath_1_0_names():
         distribution.BlockCyclic  # noqa: B018 (not provided: Box and Slab are the distributions here)
 
 
-def test_integration_names_are_listed_but_loaded_on_first_use():
-    """``dir()``, tab completion and ``import *`` show the Dask integration; a bare import still loads no
-    distributed (a fresh interpreter: this one may have loaded it already)."""
+def _passes_in_a_fresh_interpreter(code: str) -> None:
+    """Run ``code`` in a new Python process (this one may have loaded distributed or hold a client already)."""
     import subprocess
     import sys
 
-    code = (
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+def test_integration_names_are_listed_but_loaded_on_first_use():
+    """``dir()``, tab completion and ``import *`` show the Dask integration; a bare import still loads no
+    distributed (a fresh interpreter: this one may have loaded it already)."""
+    _passes_in_a_fresh_interpreter(
         "import sys, dask, dask_pgas\n"
         "assert 'distributed' not in sys.modules\n"
         "assert dask.config.get('pgas.fallback') == 'raise'  # the pgas.* defaults, registered on import\n"
@@ -66,17 +72,12 @@ def test_integration_names_are_listed_but_loaded_on_first_use():
         "exec('from dask_pgas import *', ns)\n"
         "assert ns['rechunk'] is dask_pgas.rechunk and ns['Reshape'] is dask_pgas.Reshape\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
 
 
 def test_integration_calls_without_a_client_say_how_to_get_one():
     """``dask_pgas.world()`` in a process with no Dask client: Dask's "No clients found" named neither the call
     nor the cluster to start; the error (still a ``ValueError``, as Dask's) now says both."""
-    import subprocess
-    import sys
-
-    code = (
+    _passes_in_a_fresh_interpreter(
         "import dask_pgas\n"
         "for call in (dask_pgas.world, dask_pgas.bootstrap, dask_pgas.teardown):\n"
         "    try:\n"
@@ -87,8 +88,6 @@ def test_integration_calls_without_a_client_say_how_to_get_one():
         "    else:\n"
         "        raise AssertionError(call)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
 
 
 def test_errors_are_builtin_subclasses_and_pickle():
