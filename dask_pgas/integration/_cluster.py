@@ -228,7 +228,8 @@ def _check_arguments(n_workers: Any, threads_per_worker: Any, memory_limit: Any,
 
 
 class _Done:
-    """``close()``'s result inside an event loop: ``Client.shutdown`` awaits ``cluster.close()``."""
+    """``close()``'s and ``wait_for_workers()``'s result inside an event loop, done already: ``Client.shutdown``
+    awaits ``cluster.close()``, an asynchronous client's ``wait_for_workers`` the cluster's."""
 
     def __await__(self):
         return iter(())
@@ -515,18 +516,17 @@ class LocalMPICluster:
         from distributed import Client
 
         # by address (a client of the cluster object would call this method again), connecting within the wait
-        connect = dict(timeout=timeout if timeout is not None else self._timeout, set_as_default=False)
+        with Client(self.scheduler_address, timeout=timeout if timeout is not None else self._timeout,
+                    set_as_default=False) as client:
+            client.wait_for_workers(n, timeout=timeout)
+        # Waited here, also where an event loop runs in this thread: in Jupyter (whose cells run inside one) a
+        # coroutine would be dropped unawaited, and no wait would happen. An asynchronous client's
+        # ``await client.wait_for_workers(n)`` (which distributed hands to this method) awaits the done result.
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            with Client(self.scheduler_address, **connect) as client:
-                return client.wait_for_workers(n, timeout=timeout)
-
-        async def wait() -> None:  # an asynchronous client's call, awaited there (as distributed's clusters)
-            async with Client(self.scheduler_address, asynchronous=True, **connect) as client:
-                await client.wait_for_workers(n, timeout=timeout)
-
-        return wait()
+            return None
+        return _Done()
 
     def get_logs(self) -> dict[str, str]:
         """The scheduler's and the worker jobs' output by process: ``"scheduler"``, ``"workers"`` (the MPI job's

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 
@@ -246,5 +247,11 @@ def test_get_client_and_wait_for_workers_as_distributed_clusters_offer_them(clie
         async with Client(cluster, asynchronous=True, set_as_default=False) as aclient:
             await aclient.wait_for_workers(NWORKERS, timeout=30)
             await cluster.wait_for_workers(1, timeout=30)
+        # a plain call where an event loop runs (Jupyter's cells): it waits, it does not hand back a coroutine
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # ("coroutine ... was never awaited")
+            assert not asyncio.iscoroutine(cluster.wait_for_workers(NWORKERS, timeout=30))
+            with pytest.raises(ValueError, match=f"has {NWORKERS} worker ranks"):
+                cluster.wait_for_workers(NWORKERS + 1)
 
     asyncio.run(asynchronous())
