@@ -234,6 +234,10 @@ class _Done:
     def __await__(self):
         return iter(())
 
+    def _ipython_display_(self) -> None:
+        """Nothing shown for it in Jupyter, whose cells run inside an event loop: ``cluster.close()`` as a
+        cell's last line displayed ``<..._Done at 0x...>`` (a synchronous distributed cluster returns None)."""
+
 
 class LocalMPICluster:
     """A local Dask cluster whose workers are the ranks of one MPI job.

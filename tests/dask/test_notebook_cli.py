@@ -39,8 +39,13 @@ def test_notebook_runs(monkeypatch):
         "assert set(cluster.worker_pids()).isdisjoint(first_pids)\n"
     )
     nb.cells[start + 1:start + 1] = [first, nbformat.from_dict(nb.cells[start]), gone]
+    # cells end in calls that return an awaitable inside the kernel's event loop: it waits, and shows nothing
+    # (``cluster.close()`` last in a cell displayed ``<..._Done at 0x...>``)
+    waits, closes = (nbformat.v4.new_code_cell(code) for code in ("cluster.wait_for_workers(1)", "cluster.close()"))
+    nb.cells[-1:] = [waits, nb.cells[-1], closes]
     nbclient.NotebookClient(nb, timeout=240, kernel_name="python3",
                             resources={"metadata": {"path": ROOT}}).execute()
+    assert waits.outputs == [] and closes.outputs == [], (waits.outputs, closes.outputs)
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "result checked" in text
     for method in ("tasks", "p2p"):  # both peers ran (a failing peer prints "not available")
