@@ -70,9 +70,8 @@ def _agree(control, error: str | None, payload: Any = None) -> list[Any]:
 
 
 #: local errors raised with their own class on every rank (the others become SymmetricMemoryError)
-_KEEP: dict[str, type[Exception]] = {"BackendUnavailableError": BackendUnavailableError,
-                                     "NotSymmetricMemoryError": NotSymmetricMemoryError}
-_NOT_SYMMETRIC = "NotSymmetricMemoryError"
+_KEEP: dict[str, type[Exception]] = {cls.__name__: cls for cls in (BackendUnavailableError, NotSymmetricMemoryError)}
+_MISUSE, _NOT_SYMMETRIC = SymmetricMemoryError.__name__, NotSymmetricMemoryError.__name__  # (_lookup's classes)
 
 
 def _normalize_shape(shape: int | Sequence[int]) -> tuple[int, ...]:
@@ -279,27 +278,25 @@ def _was_freed(array: Any) -> bool:
     return False
 
 
-def _lookup(array: Any) -> tuple[_Record | None, str | tuple[str, str] | None]:
-    """The live allocation whose memory ``array`` is (or views), and why ``array`` cannot be freed (None when it
-    is the array :func:`allocate_symmetric_memory` returned; a ``(class name, message)`` pair of :data:`_KEEP`
-    for a non-array or an array not on the heap: a ``TypeError`` too, as nvmath's for arrays it cannot free).
-    Local."""
+def _lookup(array: Any) -> tuple[_Record | None, tuple[str, str] | None]:
+    """The live allocation whose memory ``array`` is (or views), and why ``array`` cannot be freed, as a ``(class
+    name, message)`` error of :func:`_agree` (None when it is the array :func:`allocate_symmetric_memory`
+    returned; :class:`NotSymmetricMemoryError`, a ``TypeError`` too as nvmath's, for a non-array or an array
+    not on the heap). Local."""
     seq = _by_id.get(id(array))
     if seq is not None:
         rec = _live.get(seq)
         if rec is not None and rec.ref() is array:
             return rec, None
     if _was_freed(array):
-        return None, "this array was already freed (double free)"
+        return None, (_MISUSE, "this array was already freed (double free)")
     if package_of(array) is None:
         return None, (_NOT_SYMMETRIC, f"expected an array returned by allocate_symmetric_memory, got "
                       f"{type(array).__name__}")
     rec = _record_at(array_info(array).ptr)
     if rec is not None:
-        return rec, (
-            f"the array is a view of symmetric memory ({rec.desc}); free the array that "
-            "allocate_symmetric_memory returned"
-        )
+        return rec, (_MISUSE, f"the array is a view of symmetric memory ({rec.desc}); free the array that "
+                     "allocate_symmetric_memory returned")
     return None, (_NOT_SYMMETRIC, "the array was not allocated by dask_pgas.allocate_symmetric_memory")
 
 
@@ -379,9 +376,9 @@ def free_symmetric_memory(*arrays: Any) -> None:
             try:
                 rec, err = _lookup(array)
             except Exception as exc:  # reported to all ranks, never raised alone
-                rec, err = None, f"{type(exc).__name__}: {exc}"
+                rec, err = None, (_MISUSE, f"{type(exc).__name__}: {exc}")
             if err is not None:
-                error = (err[0], f"argument {i}: {err[1]}") if isinstance(err, tuple) else f"argument {i}: {err}"
+                error = (err[0], f"argument {i}: {err[1]}")
                 break
             records.append(rec)
         if error is None and len({r.seq for r in records}) != len(records):

@@ -99,28 +99,25 @@ class ChunkPlan:
         """No element changes PE: every PE's output box is its input box (always so with one PE)."""
         return self.moved_elements() == 0
 
+    def region_of(self, indices) -> Box:
+        """The smallest box aligned to output chunk boundaries that holds the output chunks ``indices``."""
+        bounds = _bounds(self.chunks_out)
+        return Box(tuple(int(b[min(i[a] for i in indices)]) for a, b in enumerate(bounds)),
+                   tuple(int(b[max(i[a] for i in indices) + 1]) for a, b in enumerate(bounds)))
+
     def restricted(self, region: Box) -> ChunkPlan:
         """The plan for the elements in ``region`` only (a box aligned to output chunk boundaries): each PE keeps
         the part of its boxes inside ``region`` (an empty box elsewhere), so every output chunk inside it is
         built on the same PE as in this plan, from a smaller exchange. Output chunks outside it have no piece."""
-        bounds_in, bounds_out = _bounds(self.chunks_in), _bounds(self.chunks_out)
-        if not _aligned(region, bounds_out):
+        if not _aligned(region, _bounds(self.chunks_out)):
             raise ValueError(f"{region} does not lie on output chunk boundaries")
 
         def clip(box: Box) -> Box:
             common = box.intersection(region)
             return common if common is not None else Box(region.lower, region.lower)
 
-        ins = tuple(clip(b) for b in self.input_boxes)
-        outs = tuple(clip(b) for b in self.output_boxes)
-        return ChunkPlan(
-            shape=self.shape, chunks_in=self.chunks_in, chunks_out=self.chunks_out, input_boxes=ins,
-            output_boxes=outs,
-            inputs=tuple(tuple(InputPiece(i, cs, bs) for i, cs, bs in _box_pieces(self.chunks_in, b, bounds_in))
-                         for b in ins),
-            outputs=tuple(tuple(OutputPiece(i, bs) for i, _, bs in _box_pieces(self.chunks_out, b, bounds_out))
-                          for b in outs),
-        )
+        return _plan_from_boxes(self.chunks_in, self.chunks_out, [clip(b) for b in self.input_boxes],
+                                [clip(b) for b in self.output_boxes])
 
     def moved_elements(self) -> int:
         """Elements that change PE (what crosses the network)."""
@@ -344,20 +341,26 @@ def _plan_cached(chunks_in: Chunks, chunks_out: Chunks, npes: int, locs: tuple) 
         if best is None or score > best[0]:
             best = (score, boxes, outs)
     _, in_boxes, out_boxes = best
-    in_pieces = [_box_pieces(chunks_in, b, bounds_in) for b in in_boxes]
-    inputs = tuple(tuple(InputPiece(i, cs, bs) for i, cs, bs in pieces) for pieces in in_pieces)
+    return _plan_from_boxes(chunks_in, chunks_out, in_boxes, out_boxes)
+
+
+def _plan_from_boxes(chunks_in: Chunks, chunks_out: Chunks, in_boxes, out_boxes) -> ChunkPlan:
+    """The plan of these boxes (output boxes aligned to output chunks): the chunk pieces of every box."""
+    bounds_in, bounds_out = _bounds(chunks_in), _bounds(chunks_out)
+    inputs = tuple(tuple(InputPiece(i, cs, bs) for i, cs, bs in _box_pieces(chunks_in, b, bounds_in))
+                   for b in in_boxes)
     outputs = []
     for ob in out_boxes:
         pieces = []
         for index, chunk_slices, box_slices in _box_pieces(chunks_out, ob, bounds_out):
             # output boxes are chunk-aligned: each chunk lies whole inside one box
             full = all(s.start == 0 and s.stop == chunks_out[ax][index[ax]] for ax, s in enumerate(chunk_slices))
-            if not full:  # pragma: no cover - guarded by bisect_boxes(split_chunks=False)
+            if not full:  # pragma: no cover - guarded by bisect_boxes(split_chunks=False) and restricted()
                 raise AssertionError(f"output chunk {index} is split between PEs")
             pieces.append(OutputPiece(index, box_slices))
         outputs.append(tuple(pieces))
     return ChunkPlan(
-        shape=shape,
+        shape=tuple(sum(c) for c in chunks_in),
         chunks_in=chunks_in,
         chunks_out=chunks_out,
         input_boxes=tuple(in_boxes),

@@ -239,6 +239,16 @@ class _Done:
         cell's last line displayed ``<..._Done at 0x...>`` (a synchronous distributed cluster returns None)."""
 
 
+def _done_for_caller() -> _Done | None:
+    """What a call that finished synchronously returns: an awaitable already done where an event loop runs in
+    this thread (a coroutine may await it), else None."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+    return _Done()
+
+
 class LocalMPICluster:
     """A local Dask cluster whose workers are the ranks of one MPI job.
 
@@ -526,11 +536,7 @@ class LocalMPICluster:
         # Waited here, also where an event loop runs in this thread: in Jupyter (whose cells run inside one) a
         # coroutine would be dropped unawaited, and no wait would happen. An asynchronous client's
         # ``await client.wait_for_workers(n)`` (which distributed hands to this method) awaits the done result.
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return None
-        return _Done()
+        return _done_for_caller()
 
     def get_logs(self) -> dict[str, str]:
         """The scheduler's and the worker jobs' output by process: ``"scheduler"``, ``"workers"`` (the MPI job's
@@ -569,11 +575,7 @@ class LocalMPICluster:
         directory. Interrupted (Ctrl-C), it still kills every process; closing again is a no-op. (Called from a
         coroutine, as ``Client.shutdown`` does, it returns an awaitable that is already done.)"""
         self._close(timeout)
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return None
-        return _Done()
+        return _done_for_caller()
 
     def _close(self, timeout: float) -> None:
         if self.status == Status.closed:

@@ -20,7 +20,6 @@ fetches cost more than the one fetch per output worker they save, on 2 cores: S1
 
 from __future__ import annotations
 
-from itertools import accumulate
 from typing import Any
 
 from dask._task_spec import Task, TaskRef
@@ -222,19 +221,13 @@ class RechunkLayer(MaterializedLayer):
         wanted = [k[1:] for k in keys if type(k) is tuple and k and k[0] == name and k[1:] in owner]
         if len(wanted) in (0, len(owner)):  # (chunks without elements only, or none: no run; or every chunk)
             return super().cull(keys, all_hlg_keys)
-        lo = [min(i[a] for i in wanted) for a in range(len(plan.shape))]
-        hi = [max(i[a] for i in wanted) + 1 for a in range(len(plan.shape))]
-        starts = [[0, *accumulate(c)] for c in plan.chunks_out]
-        lower, upper = tuple(s[i] for s, i in zip(starts, lo)), tuple(s[i] for s, i in zip(starts, hi))
-        if all(v == 0 for v in lower) and upper == tuple(plan.shape):  # (every element: the whole run)
+        region = plan.region_of(wanted)
+        if not any(region.lower) and region.upper == plan.shape:  # (every element: the whole run)
             return super().cull(keys, all_hlg_keys)
         from dataclasses import replace
 
         from dask.base import tokenize
 
-        from ..distribution import Box
-
-        region = Box(lower, upper)
         part = plan.restricted(region)
         run = f"{name}-{tokenize(region.lower, region.upper)}"  # (a run of its own: ``pgas-rechunk-<token>``)
         if part.is_local and not spec.delay and local_ok:
@@ -271,9 +264,12 @@ def _region_run_fits(name: str, wanted: list, dsk: dict) -> bool:
     keys = [(name, *index) for index in wanted]
     schedulers = schedulers_here()
     if schedulers:  # (the scheduler's own tasks: the exact answer)
-        return not any((ts := scheduler.tasks.get(k)) is not None
-                       and {d.key for d in ts.dependencies} != set(dsk[k].dependencies)
-                       for scheduler in schedulers for k in keys)
+        try:
+            return not any((ts := scheduler.tasks.get(k)) is not None
+                           and {d.key for d in ts.dependencies} != set(dsk[k].dependencies)
+                           for scheduler in schedulers for k in keys)
+        except RuntimeError:  # a set changed size during iteration: Dask 2026.8 culls on an offload thread while
+            return False  # the event loop changes the tasks; the whole run is right whatever is there
     try:
         from distributed import default_client
 

@@ -117,6 +117,7 @@ def test_a_restricted_plan_builds_the_output_chunks_of_its_region(grid, npes, da
     starts_out = [np.concatenate(([0], np.cumsum(c))).astype(int) for c in chunks_out]
     region = Box(tuple(int(st_[i]) for st_, i in zip(starts_out, lo_i)),
                  tuple(int(st_[i]) for st_, i in zip(starts_out, hi_i)))
+    assert full.region_of([tuple(lo_i), tuple(h - 1 for h in hi_i)]) == region  # (the corners' chunks)
     plan = full.restricted(region)
     inside = np.zeros(shape, dtype=int)
     inside[tuple(slice(lo, up) for lo, up in zip(region.lower, region.upper))] = 1
