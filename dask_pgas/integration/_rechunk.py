@@ -95,6 +95,23 @@ def _normalize(x, chunks, block_size_limit):
     return chunks
 
 
+def _check_limits(threshold, block_size_limit) -> None:
+    """Refuse what Dask's rechunk would refuse in ``threshold`` and ``block_size_limit``: the collective uses
+    neither (``block_size_limit`` only sizes ``"auto"`` chunks), so a bad value would otherwise pass here and fail
+    under a fallback or in Dask's ``tasks``."""
+    from numbers import Real
+
+    from dask.utils import parse_bytes
+
+    if threshold is not None and not isinstance(threshold, Real):
+        raise TypeError(f"threshold must be a number (of chunks), not {threshold!r}")
+    if isinstance(block_size_limit, str):
+        parse_bytes(block_size_limit)  # ValueError: Could not interpret '...' as a byte unit
+    elif block_size_limit is not None and not isinstance(block_size_limit, Real):
+        raise TypeError(f"block_size_limit must be a number of bytes or a byte string such as '128MiB', "
+                        f"not {block_size_limit!r}")
+
+
 def array_expr_mode() -> bool:
     """Whether ``dask.array`` runs in array-expression mode (fixed by ``array.query-planning`` when
     ``dask.array`` was first imported; setting the key later changes nothing)."""
@@ -165,30 +182,28 @@ def rechunk(
         raise TypeError(f"dask_pgas.rechunk needs a dask array, not {type(x).__name__}")
     if x.ndim > 0 and all(s == 0 for s in x.shape):
         return x
-    # fallbacks get the caller's ``chunks``: Dask normalises and balances them itself (balancing twice differs)
-    unknown = any(np.isnan(s) for s in x.shape) or any(np.isnan(c) for axis in x.chunks for c in axis)
-    try:
-        target = _normalize(x, chunks, block_size_limit)
-    except ValueError:
-        if not unknown:
-            raise
-        target = None  # Dask cannot normalise these chunks with unknown sizes either
+    # Dask's own normalisation: its errors are the errors Dask's rechunk raises, also with unknown chunk sizes.
+    # Fallbacks get the caller's ``chunks``: Dask normalises and balances them itself (balancing twice would
+    # also warn twice), so this balances only once no fallback is left.
+    target = _normalize(x, chunks, block_size_limit)
     if not balance and target == x.chunks:  # as Dask: the array itself, also with unknown chunk sizes
         return x
-    if unknown:
+    _check_limits(threshold, block_size_limit)
+    if any(np.isnan(s) for s in x.shape) or any(np.isnan(c) for axis in x.chunks for c in axis):
         return _fallback(x, chunks, "the input has unknown (NaN) chunk sizes",
                          "Call x.compute_chunk_sizes() first.", *args)
-    if balance:
-        target = tuple(_balance_chunksizes(c) for c in target)
     _validate_rechunk(x.chunks, target)
+    if x.ndim == 0 or x.size == 0:  # nothing to move, whatever the dtype: Dask's graph of (empty) chunks
+        return _original_rechunk()(x, chunks, *args, method="tasks")
+    if x.dtype.kind == "T":  # NumPy 2's StringDType: chunks point at strings kept elsewhere in the process
+        return _fallback(x, chunks, f"dtype {x.dtype} keeps variable-width strings outside the array",
+                         "Use a fixed-width string dtype (x.astype('U<n>') or 'S<n>').", *args)
     if x.dtype.hasobject:
         return _fallback(x, chunks, f"dtype {x.dtype} holds Python objects", "Use a numeric dtype.", *args)
     if isinstance(x._meta, np.ma.MaskedArray):
         return _fallback(x, chunks, "masked arrays (numpy.ma) are not supported: the collective moves the data, "
                          "not the mask", "Rechunk the data (x.map_blocks(np.ma.getdata)) and the mask "
                          "(x.map_blocks(np.ma.getmaskarray)) separately.", *args)
-    if x.ndim == 0 or x.size == 0:
-        return _original_rechunk()(x, chunks, *args, method="tasks")
     package = type(x._meta).__module__.split(".")[0]
     if package not in ("numpy", "cupy"):
         return _fallback(x, chunks, f"chunks of type {type(x._meta).__name__} are not supported",
@@ -220,6 +235,8 @@ def rechunk(
         return _fallback(x, chunks, "NumPy chunks on a GPU-only world",
                          "Bootstrap with backends=['nvshmem', 'mpi'] or use CuPy chunks (x.map_blocks(cupy.asarray)).",
                          *args)
+    if balance:
+        target = tuple(_balance_chunksizes(c) for c in target)
     npes = len(world["workers"])
     plan = plan_chunks(x.chunks, target, npes, world["locations"])
     spec = RunSpec(plan.input_boxes, plan.output_boxes, x.dtype, package, float(_delay))

@@ -537,8 +537,11 @@ def test_install_dispatch_and_passthrough(client):
 def test_unsupported_cases_follow_fallback(client):
     x = da.ones((20, 20), chunks=5)
     nan = x[x[:, 0] > 0]  # unknown chunk sizes
-    with pytest.raises(PGASRechunkUnsupported, match="compute_chunk_sizes"):
+    with pytest.raises(PGASRechunkUnsupported, match="compute_chunk_sizes"):  # chunks Dask could rechunk
+        dask_pgas.rechunk(nan, {1: 10})
+    with pytest.raises(ValueError, match="compute_chunk_sizes") as info:  # chunks Dask cannot: Dask's own error
         dask_pgas.rechunk(nan, (10, 10))
+    assert not isinstance(info.value, PGASRechunkUnsupported)
     obj = da.from_array(np.array([object()] * 10, dtype=object), chunks=5)
     with pytest.raises(PGASRechunkUnsupported, match="objects"):
         dask_pgas.rechunk(obj, 10)
@@ -562,6 +565,48 @@ def test_unsupported_cases_follow_fallback(client):
         assert y.chunks == x.rechunk(10, method="tasks").chunks
         assert float(y.sum().compute()) == 400
         assert not dask_pgas.integration.array_expr_mode()
+
+
+@cpu_only
+def test_argument_errors_and_edge_fallbacks_like_dask(client):
+    """What Dask's rechunk refuses is refused the same way, with unknown chunk sizes too; an empty object-dtype
+    array rechunks as Dask does; a fallback with ``balance=True`` warns once, as Dask alone does."""
+    import warnings
+
+    x = da.ones((12, 10), chunks=(12, 2))
+    nan = x[x[:, 0] > 0]  # unknown chunk sizes along axis 0
+    for spec in ({5: 2}, {1: (2, 2)}, {1: 2.5}):  # Dask's own errors, not "call compute_chunk_sizes()"
+        with pytest.raises(Exception) as theirs:
+            nan.rechunk(spec, method="tasks")
+        with pytest.raises(type(theirs.value), match=re.escape(str(theirs.value))):
+            dask_pgas.rechunk(nan, spec)
+    with pytest.raises(TypeError, match="threshold must be a number"):
+        dask_pgas.rechunk(x, (3, 10), threshold="bad")
+    with pytest.raises(TypeError):
+        x.rechunk((3, 10), method="tasks", threshold="bad")
+    for limit in ("lots", [1]):
+        with pytest.raises(Exception) as theirs:
+            x.rechunk((3, 10), method="tasks", block_size_limit=limit)
+        with pytest.raises(type(theirs.value)):
+            dask_pgas.rechunk(x, (3, 10), block_size_limit=limit)
+    assert dask_pgas.rechunk(x, x.chunks, threshold="bad") is x  # a no-op, as in Dask, checks neither
+    y = dask_pgas.rechunk(x, (3, 10), threshold=2.5, block_size_limit="1MiB")
+    assert y.name.startswith("pgas-rechunk-") and float(y.sum().compute()) == 120
+    empty = da.from_array(np.empty((0, 4), dtype=object), chunks=(1, 2))
+    assert dask_pgas.rechunk(empty, (1, 4)).chunks == empty.rechunk((1, 4), method="tasks").chunks == ((0,), (4,))
+    obj = da.from_array(np.array([object()] * 3, dtype=object), chunks=5)
+    counts = []
+    for run in (lambda: obj.rechunk((2,), balance=True, method="tasks"),
+                lambda: dask_pgas.rechunk(obj, (2,), balance=True)):
+        with dask.config.set({"pgas.fallback": "tasks"}), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run()
+        counts.append(len(caught))
+    assert counts[0] == counts[1] >= 1, counts
+    if hasattr(np.dtypes, "StringDType"):  # NumPy 2: variable-width strings live outside the array
+        strings = da.from_array(np.array(["a", "bb", "ccc"], dtype=np.dtypes.StringDType()), chunks=1)
+        with pytest.raises(PGASRechunkUnsupported, match="fixed-width string dtype"):
+            dask_pgas.rechunk(strings, 3)
 
 
 _EXPR_SCRIPT = """
