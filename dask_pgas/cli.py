@@ -16,6 +16,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 from dask.utils import parse_bytes
 
@@ -29,14 +30,20 @@ def _gpu_count() -> int:
         return 0
 
 
-def wait_forgotten(client, keys: list) -> None:
+def _held(client, keys: list) -> bool:
+    """Whether the cluster holds any of ``keys`` in memory."""
+    return any(client.sync(client.scheduler.who_has, keys=keys).values())
+
+
+def wait_forgotten(client, keys: list, timeout: float = 60.0, what: str = "the previous repetition") -> None:
     """Wait until the scheduler dropped ``keys`` (after the last reference went), so a rerun recomputes."""
-    deadline = time.monotonic() + 60
-    while any(client.sync(client.scheduler.who_has, keys=keys).values()):
+    deadline = time.monotonic() + timeout
+    while _held(client, keys):
         if time.monotonic() > deadline:  # a rerun would reuse them and time nothing
-            raise TimeoutError(f"the scheduler still holds {len(keys)} keys of the previous repetition after 60 s "
-                               "(is something else holding them? a rechunk that changes nothing returns its input, "
-                               "whose keys stay: there is nothing to time)")
+            raise TimeoutError(
+                f"the cluster still holds {len(keys)} keys of {what} after {timeout:g} s: a variable still refers "
+                "to that result (in a notebook, from an earlier run of the same cell: delete it or set it to None), "
+                "or the computation returns its input (a rechunk that changes nothing), so there is nothing to time")
         time.sleep(0.01)
 
 
@@ -55,25 +62,34 @@ def timed_persist(client, make, repeats: int, *, device_sync: bool = False, warm
     from dask.core import flatten
     from distributed import futures_of, wait
 
+    # a result held before the first run (released just now, or still referred to) would be handed back
+    wait_forgotten(client, list(flatten(make().__dask_keys__())), 5.0, "the result, before the first run")
     times, result = [], None
-    for i in range(repeats + int(warmup)):
-        if result is not None:
-            keys = list(flatten(result.__dask_keys__()))
-            result = None
-            wait_forgotten(client, keys)
-        t0 = time.perf_counter()
-        result = make().persist() if workers is None else client.persist(make(), workers=workers)
-        wait(result)
-        if device_sync:
-            client.run(_sync_device)
-        elapsed = time.perf_counter() - t0
-        # wait() returns for erred futures too: a failed method must not be timed (checked outside the timed
-        # span; no reference to a future outlives the check, or wait_forgotten would wait for ever)
-        erred = [f for f in futures_of(result) if f.status == "error"]
-        if erred:
-            erred[0].result()  # raises the task's exception
-        if i or not warmup:
-            times.append(elapsed)
+    try:
+        for i in range(repeats + int(warmup)):
+            if result is not None:
+                done, result = list(flatten(result.__dask_keys__())), None
+                wait_forgotten(client, done)
+            t0 = time.perf_counter()
+            result = make().persist() if workers is None else client.persist(make(), workers=workers)
+            wait(result)
+            if device_sync:
+                client.run(_sync_device)
+            elapsed = time.perf_counter() - t0
+            # wait() returns for erred futures too: a failed method must not be timed (checked outside the timed
+            # span; no reference to a future outlives the check, or wait_forgotten would wait for ever)
+            erred = [f for f in futures_of(result) if f.status == "error"]
+            if erred:
+                erred[0].result()  # raises the task's exception
+            if i or not warmup:
+                times.append(elapsed)
+    except BaseException as exc:
+        # an interrupted or failed run: its traceback (IPython keeps the last one) keeps this frame and those of
+        # the calls below (``wait``'s holds the futures too), which must not keep the result alive, or the next
+        # run of the same computation would find it held
+        result = None
+        traceback.clear_frames(exc.__traceback__)  # (all but this running frame)
+        raise
     return statistics.median(times), result
 
 
@@ -255,14 +271,20 @@ _seconds = _at_least(1, float, "a number of seconds", " s", maximum=1e6)
 class _NoInterruptedGatherNoise(logging.Filter):
     """Drops asyncio's "Task exception was never retrieved" for distributed's ``AllExit``: a client closed
     while it gathered (Ctrl-C during ``compute()``) leaves such tasks behind (distributed's ``Client._gather``
-    stops waiting at the first one and never retrieves the others); the interruption itself is reported."""
+    stops waiting at the first one and never retrieves the others); and tornado's report of the ``NameError``
+    that ``distributed.utils.sync`` raises when Ctrl-C comes before its coroutine started. The interruption
+    itself is reported."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not record.exc_info:
             return True
         from distributed.client import AllExit
 
-        return not isinstance(record.exc_info[1], AllExit)
+        error = record.exc_info[1]
+        # distributed's sync(): a Ctrl-C before its coroutine started makes its cancel callback read a variable
+        # not yet assigned (tornado logs it as "Exception in callback ... sync.<locals>.cancel")
+        race = isinstance(error, NameError) and "free variable 'future'" in str(error)
+        return not (isinstance(error, AllExit) or race)
 
 
 _INTERRUPTED_GATHER_NOISE = _NoInterruptedGatherNoise()  # one instance: adding it again is a no-op
@@ -305,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.05)
         if why is not None:
             w.error(f"{args.scheduler_file} is not a scheduler file: {why}")
-    logging.getLogger("asyncio").addFilter(_INTERRUPTED_GATHER_NOISE)
+    for logger in ("asyncio", "tornado.application"):
+        logging.getLogger(logger).addFilter(_INTERRUPTED_GATHER_NOISE)
     try:
         return args.func(args)
     except KeyboardInterrupt:

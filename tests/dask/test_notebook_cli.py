@@ -39,6 +39,9 @@ def test_notebook_runs(monkeypatch):
         "assert set(cluster.worker_pids()).isdisjoint(first_pids)\n"
     )
     nb.cells[start + 1:start + 1] = [first, nbformat.from_dict(nb.cells[start]), gone]
+    # so does the pgas cell: its last results are still held then (the timer would wait for them to go)
+    timed = next(i for i, c in enumerate(nb.cells) if "timed(lambda" in c.source and 'method="pgas"' in c.source)
+    nb.cells[timed + 1:timed + 1] = [nbformat.from_dict(nb.cells[timed])]
     # cells end in calls that return an awaitable inside the kernel's event loop: it waits, and shows nothing
     # (``cluster.close()`` last in a cell displayed ``<..._Done at 0x...>``)
     waits, closes = (nbformat.v4.new_code_cell(code) for code in ("cluster.wait_for_workers(1)", "cluster.close()"))
@@ -186,6 +189,40 @@ def test_timer_raises_for_a_failed_method():
         assert seconds > 0
         with pytest.raises(RuntimeError, match="this method failed"):
             timed_persist(client, lambda: x.map_blocks(_fail, dtype=x.dtype, meta=x._meta), 1, warmup=True)
+
+
+def test_timer_refuses_a_held_result_and_an_interrupted_run_holds_nothing(monkeypatch):
+    """A result the cluster still holds would be handed back untimed: the timer says so within seconds (it
+    waited 60 s for every repetition to be forgotten, so a notebook cell run again hung, then failed). A run
+    interrupted while it waits keeps no future in its frame, which the traceback keeps alive."""
+    import dask.array as da
+    import distributed
+    from distributed import Client, LocalCluster
+
+    from dask_pgas.cli import timed_persist
+
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
+        x = da.ones((4, 4), chunks=2)
+        held = (x + 1).persist()
+        distributed.wait(held)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="a variable still refers to that result"):
+            timed_persist(client, lambda: x + 1, 1)
+        assert time.monotonic() - t0 < 30
+        del held
+        real = distributed.wait
+
+        def interrupted(*args, **kwargs):
+            monkeypatch.setattr(distributed, "wait", real)
+            real(*args, **kwargs)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(distributed, "wait", interrupted)
+        with pytest.raises(KeyboardInterrupt) as info:
+            timed_persist(client, lambda: x + 2, 1)
+        assert info.traceback  # (kept, with the timer's frame)
+        seconds, result = timed_persist(client, lambda: x + 2, 2, warmup=True)  # the same keys: timed again
+        assert seconds > 0 and float(result.sum().compute()) == 48
 
 
 def test_the_copy_reference_copies_each_gpus_bytes_on_one_of_its_workers(monkeypatch):
