@@ -6,7 +6,8 @@ interpreter or on ``PATH``. Output of both goes to log files (``cluster.logs()``
 On start the PGAS world is bootstrapped (``bootstrap=False`` to skip). ``close()`` tears the world down
 collectively, shuts the scheduler and workers down and kills whatever is left: no processes stay behind, and
 if the launching process dies without closing, the scheduler and workers notice within a second and exit.
-MPICH's per-job shared-memory files, which a killed job leaves in ``/dev/shm``, are removed when the job ends.
+The worker ranks unlink MPICH's per-job shared-memory file in ``/dev/shm`` as soon as MPI is up, so that a
+killed job leaves none behind.
 A cluster that is dropped without ``close()`` (garbage-collected, or the interpreter exits) has its processes
 killed; its temporary directory (logs, scheduler file, worker spill space) is removed then and at ``close()``
 (``cluster.logs()`` keeps working: it returns what the logs held at close).
@@ -132,9 +133,8 @@ def _stop_client(client) -> None:
             pass
 
 
-def _kill(procs: list, logs: list, shm: dict) -> None:
-    """SIGTERM, then SIGKILL, every process group still running; close the logs; remove the MPI library's
-    shared-memory files once every job has ended."""
+def _kill(procs: list, logs: list) -> None:
+    """SIGTERM, then SIGKILL, every process group still running; close the logs."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         alive = [p for p in procs if p.poll() is None]
         for p in alive:
@@ -149,19 +149,14 @@ def _kill(procs: list, logs: list, shm: dict) -> None:
                 pass
     for log in logs:
         log.close()
-    if not any(p.poll() is None for p in procs):  # every job has ended: its files are leftovers
-        for files in shm.values():
-            _orphan_guard.remove_files(files)
-        shm.clear()
 
 
-def _cleanup(stop: threading.Event, lock: threading.RLock, procs: list, logs: list, shm: dict,
-             directory: str) -> None:
+def _cleanup(stop: threading.Event, lock: threading.RLock, procs: list, logs: list, directory: str) -> None:
     """The end of a cluster (``close()``, or a cluster dropped unclosed): stop the watcher, kill what is left and
     remove the temporary directory. Holds no reference to the cluster (``weakref.finalize``)."""
     with lock:  # the watcher starts no new worker job after this
         stop.set()
-    _kill(procs, logs, shm)
+    _kill(procs, logs)
     shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -340,12 +335,11 @@ class LocalMPICluster:
             self._env["DASK_PGAS_BIND_GPUS"] = str(gpus)
         self._procs: list[subprocess.Popen] = []
         self._logs: list = []
-        self._shm: dict[int, set[str]] = {}  # worker job's PID -> MPICH's /dev/shm files it left to remove
         self._stop = threading.Event()
         self._lock = threading.RLock()
         # the cleanup runs once: at close(), when the cluster is garbage-collected, or at interpreter exit
         self._finalizer = weakref.finalize(self, _cleanup, self._stop, self._lock, self._procs, self._logs,
-                                           self._shm, self._dir)
+                                           self._dir)
         try:
             self._scheduler = self._spawn(
                 "scheduler",
@@ -373,7 +367,6 @@ class LocalMPICluster:
 
             with Client(self.scheduler_address, timeout=timeout, set_as_default=False) as client:
                 self._wait_for_workers(client, timeout)
-                self._note_shm()
                 if bootstrap:
                     from ._client import bootstrap as _bootstrap
 
@@ -398,30 +391,17 @@ class LocalMPICluster:
                 "LocalMPICluster: the scheduler exited (code %s); close this cluster and start a new one",
                 self._scheduler.returncode)
         if self._workers.poll() is None:
-            if self._workers.pid not in self._shm:  # a restarted job, once its ranks are up
-                self._note_shm(final=time.monotonic() - self._spawned_at > 30)
             return
         if self.status != Status.running or not self._restart_workers:
             return
-        _orphan_guard.remove_files(self._shm.pop(self._workers.pid, ()))
         self.restarts += 1
         self._workers = self._spawn(f"workers-{self.restarts}", self._worker_cmd, self._worker_env)
-
-    def _note_shm(self, final: bool = True) -> None:
-        """Remember the MPI library's shared-memory files of the running worker job (to remove at its end).
-        Not ``final``: only once some are found (its ranks may not have initialized MPI yet); ``final`` records
-        what there is, even nothing (another MPI, or no ``/proc``), so the watcher stops looking."""
-        pids = self.worker_pids()
-        files = _orphan_guard.mpi_shm_files(pids) if len(pids) >= self.n_workers else set()
-        if files or final:
-            self._shm[self._workers.pid] = files
 
     def _spawn(self, what: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(os.path.join(self._dir, f"{what}.log"), "wb")
         self._logs.append(log)
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env if env is None else env,
                                 start_new_session=True, stdin=subprocess.DEVNULL)
-        self._spawned_at = time.monotonic()
         self._procs.append(proc)
         return proc
 
@@ -598,7 +578,7 @@ class LocalMPICluster:
                     pass
         finally:
             try:
-                _kill(self._procs, self._logs, self._shm)
+                _kill(self._procs, self._logs)
                 self._closed_logs = self.get_logs()
             finally:
                 self._finalizer()

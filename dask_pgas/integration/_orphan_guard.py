@@ -4,11 +4,13 @@ The scheduler (as a ``--preload`` module) and every worker rank watch the launch
 ``DASK_PGAS_LAUNCHER_PID``: a driver killed without closing its cluster (``kill``, a timeout, a crashed
 kernel) leaves no scheduler or worker behind holding memory or a GPU.
 
-MPICH keeps one named shared-memory file per job under ``/dev/shm`` until ``MPI_Finalize``; a rank that exits
-without finalizing (here, or killed) leaves it behind. :func:`mpi_shm_files` finds the ones a process has
-mapped, so that whoever ends the job can remove them. Orphaned, the scheduler and the worker ranks also remove
-the cluster's temporary directory (the scheduler's ``DASK_PGAS_CLUSTER_DIR``, the workers' local directory),
-whichever of them is still able to: a scheduler that hangs leaves it to the ranks.
+MPICH 5 keeps one named shared-memory file per job and node under ``/dev/shm`` (``mpich_shm_*``) until the rank
+that made it finalizes; a job killed or interrupted before that leaves it behind. :func:`unlink_mpi_names`
+unlinks it as soon as MPI is up on a worker (every worker rank of a ``LocalMPICluster`` at start, every worker
+of a PGAS world at bootstrap, dask-mpi's included): the ranks keep their mappings and nothing is left to remove.
+Orphaned, the scheduler and the worker ranks also remove the cluster's temporary directory (the scheduler's
+``DASK_PGAS_CLUSTER_DIR``, the workers' local directory), whichever of them is still able to: a scheduler that
+hangs leaves it to the ranks.
 """
 
 from __future__ import annotations
@@ -64,6 +66,14 @@ def remove_files(paths) -> None:
             pass
 
 
+def unlink_mpi_names() -> None:
+    """Unlink the named shared-memory file of this process's MPI job (MPICH 5's ``/dev/shm/mpich_shm_*``),
+    keeping the mapping. Safe once MPI is initialized: every rank of the node mapped it during ``MPI_Init``
+    (whose closing barrier runs through it), and nothing opens it by name later (the segments of windows,
+    ``mpich_shar_tmp*``, are unlinked as they are made). MPICH 4 unlinks it itself; other MPIs make none."""
+    remove_files(path for path in mpi_shm_files([os.getpid()]) if os.path.basename(path).startswith("mpich_shm_"))
+
+
 def watch_launcher(interval: float = 1.0, directory: str | None = None) -> None:
     """Start a daemon thread that ends this process once the launcher PID (if set) no longer exists; then it
     also removes ``directory`` (the cluster's temporary one, which the launcher would have removed at close)."""
@@ -74,8 +84,7 @@ def watch_launcher(interval: float = 1.0, directory: str | None = None) -> None:
     def loop() -> None:
         while _alive(pid):
             time.sleep(interval)
-        # the launcher is gone: nobody will close this process, and MPI will not finalize
-        remove_files(mpi_shm_files([os.getpid()]))
+        # the launcher is gone: nobody will close this process (MPI's named file went at start)
         if directory:
             time.sleep(2 * interval)  # the other processes of the cluster (watching too) are gone by then
             shutil.rmtree(directory, ignore_errors=True)

@@ -4,7 +4,8 @@ The worker IS the MPI process (``distributed.Worker``, not a Nanny: a Nanny's ch
 MPI is initialized (``MPI_THREAD_MULTIPLE``) before the worker starts; the PGAS runtime itself comes up later,
 in the explicit ``dask_pgas.bootstrap(client)`` step. A worker left inside a collective whose peer died exits
 without ``MPI_Finalize`` (which would wait for that peer forever), as does one whose world was never torn down
-(the scheduler went away, e.g. its launcher died); either removes the MPI library's shared-memory files first.
+(the scheduler went away, e.g. its launcher died). The MPI library's named file in ``/dev/shm`` is unlinked as
+soon as MPI is up, so that neither that nor a killed job leaves it behind.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from mpi4py import MPI  # initializes MPI in this (main) thread
 
-    from ._orphan_guard import watch_launcher
+    from ._orphan_guard import unlink_mpi_names, watch_launcher
 
+    unlink_mpi_names()  # a job killed or interrupted leaves no file in /dev/shm
     watch_launcher(directory=args.local_directory)  # (LocalMPICluster's temporary directory)
 
     rank = MPI.COMM_WORLD.Get_rank()
@@ -77,11 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     from dask_pgas import runtime
 
     # a peer died inside a collective, or the world was not torn down: no MPI_Finalize (it would wait for the
-    # peer or run collectives) ...
+    # peer or run collectives; MPI's named file in /dev/shm went at start)
     if state["poisoned"] or runtime.is_initialized():
-        from ._orphan_guard import mpi_shm_files, remove_files
-
-        remove_files(mpi_shm_files([os.getpid()]))  # ... so the MPI library's /dev/shm files are removed here
         os._exit(0)
 
 

@@ -317,6 +317,10 @@ class PGASWorkerPlugin(WorkerPlugin):
         return self._thread.stuck
 
     def setup(self, worker) -> None:
+        from ._orphan_guard import unlink_mpi_names
+
+        # a worker that is an MPI rank (dask-mpi's, too): an interrupted or killed job leaves no file in /dev/shm
+        unlink_mpi_names()
         self.worker = worker
         self._thread = _CollectiveThread(f"pgas-collective-{worker.name}")
         self.pe: int | None = None

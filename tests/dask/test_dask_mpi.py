@@ -11,6 +11,8 @@ import time
 import numpy as np
 import pytest
 
+from ._mpi_files import mpi_names_unlinked
+
 pytestmark = [pytest.mark.dask, pytest.mark.timeout(180)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -56,6 +58,8 @@ def test_dask_mpi_cli_scheduler_file(tmp_path):
             client.wait_for_workers(3, timeout=60)
             world = dask_pgas.bootstrap(client)
             assert world.npes == 3
+            # the workers unlinked MPICH's /dev/shm file at bootstrap: an interrupted job leaves none
+            mpi_names_unlinked(client.run(os.getpid).values())
             # dask-mpi's job keeps rank 0 (and, with initialize(), 1) for others: not waited for at bootstrap
             info = dask_pgas.world(client, detail=True).info.values()
             assert [list(i["non_worker_ranks"]) for i in info] == [[0, 1]] * 3

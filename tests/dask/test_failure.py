@@ -13,20 +13,12 @@ import pytest
 import dask_pgas
 from dask_pgas.errors import CollectiveError
 from dask_pgas.integration import PGASRechunkUnsupported, PGASWorldError
-from dask_pgas.integration._orphan_guard import _alive, mpi_shm_files
+from dask_pgas.integration._orphan_guard import _alive
 
+from ._mpi_files import mpi_names_unlinked
 from ._xp import BACKEND, GPU_WORKERS, host, on_device
 
 pytestmark = [pytest.mark.dask, pytest.mark.timeout(240)]
-
-
-def _mpich() -> bool:
-    """An MPICH (hydra) launcher of 5.0 or later: MPICH 4.x unlinks its /dev/shm files as soon as every rank has
-    mapped them, so only from 5.0 on does a job hold named files that a killed job would leave behind."""
-    from dask_pgas.integration._cluster import _launcher, _mpiexec
-
-    kind, major = _launcher(_mpiexec())
-    return kind == "mpich" and (major is None or major >= 5)
 
 
 def _gone(files, what: str, timeout: float = 10.0) -> None:
@@ -44,8 +36,7 @@ def test_teardown_kill_and_close(capfd):
     pids = cluster.worker_pids()
     procs = [p.pid for p in cluster._procs]
     assert len(pids) == 3
-    shm = mpi_shm_files(pids)  # MPICH's per-job files, which a killed job leaves in /dev/shm
-    assert shm or not _mpich()
+    mpi_names_unlinked(pids)  # (MPICH's per-job file: a killed job would leave it in /dev/shm)
     cluster.scale(3)  # one MPI job: its size, and nothing else (Dask users call scale/adapt on clusters)
     with pytest.raises(NotImplementedError, match=r"LocalMPICluster\(n_workers=4\)"):
         cluster.scale(4)
@@ -96,10 +87,7 @@ def test_teardown_kill_and_close(capfd):
             # the local cluster replaces the MPI job (MPICH takes every rank down with the one that died)
             client.wait_for_workers(3, timeout=120)
             pids += cluster.worker_pids()
-            # the dead job's files went with it; the new job's are removed when it ends (close, below)
-            _gone(shm, "the killed job's shared-memory files")
-            shm = mpi_shm_files(pids)
-            assert shm or not _mpich()
+            mpi_names_unlinked(cluster.worker_pids())  # (the new job's ranks too)
             assert dask_pgas.world(client).broken
             # teardown cannot end a world that lost a member collectively: it drops it, and world() and
             # rechunk then tell the same story (rechunk said "no PGAS world" while world() showed it broken)
@@ -119,7 +107,6 @@ def test_teardown_kill_and_close(capfd):
         cluster.close()
     time.sleep(0.5)
     assert not [p for p in pids + procs if _alive(p)]
-    _gone(shm, "the MPI job's shared-memory files")
     out, err = capfd.readouterr()
     assert "Traceback" not in out + err
 
@@ -191,7 +178,8 @@ _DRIVER_END = {
 def test_killed_launcher_leaves_no_processes(bootstrap, end):
     """A driver killed (or ending) without closing its LocalMPICluster: the scheduler and the worker ranks
     notice and exit, so nothing keeps holding memory or a GPU, and no MPI shared-memory file stays in /dev/shm
-    (ranks of a bootstrapped world exit without MPI_Finalize), nor the cluster's temporary directory. A killed
+    (the ranks unlinked it at start; those of a bootstrapped world exit without MPI_Finalize), nor the
+    cluster's temporary directory. A killed
     driver that its parent has not reaped yet (a zombie, which kill(pid, 0) still finds) counts as gone."""
     import json
     import subprocess
@@ -210,7 +198,7 @@ def test_killed_launcher_leaves_no_processes(bootstrap, end):
     try:
         pids = json.loads(driver.stdout.readline())
         directory = driver.stdout.readline().strip()
-        shm = mpi_shm_files(pids)
+        mpi_names_unlinked(pids)  # (none to leave behind, whatever the ranks do at exit)
         driver.stdin.write("\n")
         driver.stdin.flush()
         if end.startswith("killed"):
@@ -218,7 +206,6 @@ def test_killed_launcher_leaves_no_processes(bootstrap, end):
         if end != "killed, not reaped":
             driver.wait(60)
         assert len(pids) >= 4  # 2 workers, mpiexec, scheduler
-        assert shm or not _mpich()
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and any(_alive(p) for p in pids):
             time.sleep(0.2)
@@ -229,7 +216,6 @@ def test_killed_launcher_leaves_no_processes(bootstrap, end):
     for p in left:  # do not leak them into the rest of the session
         os.kill(p, signal.SIGKILL)
     assert not left, f"processes {left} outlived their launcher"
-    _gone(shm, "the MPI job's shared-memory files")  # the ranks (or the exiting driver) removed them
     _gone([directory], "the cluster's temporary directory")  # the scheduler (or the exiting driver) removed it
 
 

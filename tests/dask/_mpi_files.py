@@ -1,0 +1,33 @@
+"""MPICH's per-job shared-memory file in /dev/shm, as the tests look at it."""
+
+from __future__ import annotations
+
+import os
+
+
+def _mpich() -> bool:
+    """An MPICH (hydra) launcher of 5.0 or later: MPICH 4.x unlinks its /dev/shm files as soon as every rank has
+    mapped them, so only from 5.0 on does a job hold named files that a killed job would leave behind."""
+    from dask_pgas.integration._cluster import _launcher, _mpiexec
+
+    kind, major = _launcher(_mpiexec())
+    return kind == "mpich" and (major is None or major >= 5)
+
+
+def mpi_names_unlinked(pids) -> None:
+    """The ranks unlinked MPICH's named file of their job as soon as MPI was up (a killed or interrupted job
+    leaves none in /dev/shm): they map it, as deleted, and /dev/shm has no name of theirs."""
+    mapped: dict[str, bool] = {}  # path -> still named
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    fields = line.split(maxsplit=5)
+                    path = fields[5].rstrip("\n") if len(fields) == 6 else ""
+                    if path.startswith("/dev/shm/mpich_shm_"):
+                        name = path.removesuffix(" (deleted)")
+                        mapped[name] = mapped.get(name, False) or (name == path and os.path.exists(name))
+        except OSError:  # gone, or not Linux
+            pass
+    assert not [name for name, named in mapped.items() if named], mapped
+    assert mapped or not _mpich(), f"no MPICH file mapped by {pids}"
