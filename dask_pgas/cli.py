@@ -41,7 +41,7 @@ def wait_forgotten(client, keys: list, timeout: float = 60.0, what: str = "the p
     while _held(client, keys):
         if time.monotonic() > deadline:  # a rerun would reuse them and time nothing
             raise TimeoutError(
-                f"the cluster still holds {len(keys)} keys of {what} after {timeout:g} s: a variable still refers "
+                f"after {timeout:g} s the cluster still holds {len(keys)} keys of {what}: a variable still refers "
                 "to that result (in a notebook, from an earlier run of the same cell: delete it or set it to None), "
                 "or the computation returns its input (a rechunk that changes nothing), so there is nothing to time")
         time.sleep(0.01)
@@ -63,7 +63,7 @@ def timed_persist(client, make, repeats: int, *, device_sync: bool = False, warm
     from distributed import futures_of, wait
 
     # a result held before the first run (released just now, or still referred to) would be handed back
-    wait_forgotten(client, list(flatten(make().__dask_keys__())), 5.0, "the result, before the first run")
+    wait_forgotten(client, list(flatten(make().__dask_keys__())), 5.0, "the result before its first run")
     times, result = [], None
     try:
         for i in range(repeats + int(warmup)):
@@ -87,7 +87,7 @@ def timed_persist(client, make, repeats: int, *, device_sync: bool = False, warm
         # an interrupted or failed run: its traceback (IPython keeps the last one) keeps this frame and those of
         # the calls below (``wait``'s holds the futures too), which must not keep the result alive, or the next
         # run of the same computation would find it held
-        result = None
+        result = erred = None
         traceback.clear_frames(exc.__traceback__)  # (all but this running frame)
         raise
     return statistics.median(times), result

@@ -4,9 +4,9 @@ The scheduler (as a ``--preload`` module) and every worker rank watch the launch
 ``DASK_PGAS_LAUNCHER_PID``: a driver killed without closing its cluster (``kill``, a timeout, a crashed
 kernel) leaves no scheduler or worker behind holding memory or a GPU.
 
-MPICH 5 keeps one named shared-memory file per job and node under ``/dev/shm`` (``mpich_shm_*``) until the rank
-that made it finalizes; a job killed or interrupted before that leaves it behind. :func:`unlink_mpi_names`
-unlinks it as soon as MPI is up on a worker (every worker rank of a ``LocalMPICluster`` at start, every worker
+MPICH 5 keeps named shared-memory files per job and node under ``/dev/shm`` (``mpich_shm_*``) until the rank
+that made them finalizes; a job killed or interrupted before that leaves them behind. :func:`unlink_mpi_names`
+unlinks them as soon as MPI is up on a worker (every worker rank of a ``LocalMPICluster`` at start, every worker
 of a PGAS world at bootstrap, dask-mpi's included): the ranks keep their mappings and nothing is left to remove.
 Orphaned, the scheduler and the worker ranks also remove the cluster's temporary directory (the scheduler's
 ``DASK_PGAS_CLUSTER_DIR``, the workers' local directory), whichever of them is still able to: a scheduler that
@@ -67,11 +67,14 @@ def remove_files(paths) -> None:
 
 
 def unlink_mpi_names() -> None:
-    """Unlink the named shared-memory file of this process's MPI job (MPICH 5's ``/dev/shm/mpich_shm_*``),
-    keeping the mapping. Safe once MPI is initialized: every rank of the node mapped it during ``MPI_Init``
-    (whose closing barrier runs through it), and nothing opens it by name later (the segments of windows,
-    ``mpich_shar_tmp*``, are unlinked as they are made). MPICH 4 unlinks it itself; other MPIs make none."""
-    remove_files(path for path in mpi_shm_files([os.getpid()]) if os.path.basename(path).startswith("mpich_shm_"))
+    """Unlink the named shared-memory files of this process's MPI job (MPICH 5's ``/dev/shm/mpich_shm_*``, and
+    ``mpich_vci_*`` with several VCIs), keeping the mappings. Safe once MPI is initialized in the world model
+    (``MPI_Init``, as mpi4py does it): every rank of the node mapped them during ``MPI_Init``, whose closing
+    barrier runs through them, and nothing opens them by name later (in the sessions model, ``MPI.Session``, a
+    rank that comes later would). The segments of windows (``mpich_shar_tmp*``) are left alone: MPICH unlinks
+    each once every rank attached it. MPICH 4 unlinks its files itself; other MPIs make none."""
+    remove_files(path for path in mpi_shm_files([os.getpid()])
+                 if not os.path.basename(path).startswith("mpich_shar_tmp"))
 
 
 def watch_launcher(interval: float = 1.0, directory: str | None = None) -> None:

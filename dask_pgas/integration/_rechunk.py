@@ -95,23 +95,6 @@ def _normalize(x, chunks, block_size_limit):
     return chunks
 
 
-def _check_limits(threshold, block_size_limit) -> None:
-    """Refuse what Dask's rechunk would refuse in ``threshold`` and ``block_size_limit``: the collective uses
-    neither (``block_size_limit`` only sizes ``"auto"`` chunks), so a bad value would otherwise pass here and fail
-    under a fallback or in Dask's ``tasks``."""
-    from numbers import Real
-
-    from dask.utils import parse_bytes
-
-    if threshold is not None and not isinstance(threshold, Real):
-        raise TypeError(f"threshold must be a number (of chunks), not {threshold!r}")
-    if isinstance(block_size_limit, str):
-        parse_bytes(block_size_limit)  # ValueError: Could not interpret '...' as a byte unit
-    elif block_size_limit is not None and not isinstance(block_size_limit, Real):
-        raise TypeError(f"block_size_limit must be a number of bytes or a byte string such as '128MiB', "
-                        f"not {block_size_limit!r}")
-
-
 def array_expr_mode() -> bool:
     """Whether ``dask.array`` runs in array-expression mode (fixed by ``array.query-planning`` when
     ``dask.array`` was first imported; setting the key later changes nothing)."""
@@ -164,7 +147,7 @@ def rechunk(
     :func:`dask_pgas.bootstrap`. Unsupported cases follow config ``pgas.fallback``.
     """
     from dask.array.core import Array, new_da_object
-    from dask.array.rechunk import _balance_chunksizes, _validate_rechunk
+    from dask.array.rechunk import _balance_chunksizes, _validate_rechunk, plan_rechunk
     from dask.base import tokenize
     from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
@@ -188,11 +171,13 @@ def rechunk(
     target = _normalize(x, chunks, block_size_limit)
     if not balance and target == x.chunks:  # as Dask: the array itself, also with unknown chunk sizes
         return x
-    _check_limits(threshold, block_size_limit)
+    _validate_rechunk(x.chunks, target)  # (balancing keeps the sums it checks)
+    # Dask's plan of intermediate steps, not used here: what its rechunk refuses in threshold and
+    # block_size_limit, and where, is refused the same way (it checks neither with unknown chunk sizes)
+    plan_rechunk(x.chunks, target, x.dtype.itemsize, threshold, block_size_limit)
     if any(np.isnan(s) for s in x.shape) or any(np.isnan(c) for axis in x.chunks for c in axis):
         return _fallback(x, chunks, "the input has unknown (NaN) chunk sizes",
                          "Call x.compute_chunk_sizes() first.", *args)
-    _validate_rechunk(x.chunks, target)
     if x.ndim == 0 or x.size == 0:  # nothing to move, whatever the dtype: Dask's graph of (empty) chunks
         return _original_rechunk()(x, chunks, *args, method="tasks")
     if x.dtype.kind == "T":  # NumPy 2's StringDType: chunks point at strings kept elsewhere in the process

@@ -15,8 +15,9 @@ def _mpich() -> bool:
 
 
 def mpi_names_unlinked(pids) -> None:
-    """The ranks unlinked MPICH's named file of their job as soon as MPI was up (a killed or interrupted job
-    leaves none in /dev/shm): they map it, as deleted, and /dev/shm has no name of theirs."""
+    """The ranks unlinked MPICH's named files of their job as soon as MPI was up (a killed or interrupted job
+    leaves none in /dev/shm): they map them, as deleted, and /dev/shm has no name of theirs (the segments of
+    windows, ``mpich_shar_tmp*``, are MPICH's own to unlink)."""
     mapped: dict[str, bool] = {}  # path -> still named
     for pid in pids:
         try:
@@ -24,7 +25,7 @@ def mpi_names_unlinked(pids) -> None:
                 for line in f:
                     fields = line.split(maxsplit=5)
                     path = fields[5].rstrip("\n") if len(fields) == 6 else ""
-                    if path.startswith("/dev/shm/mpich_shm_"):
+                    if path.startswith("/dev/shm/mpich_") and not path.startswith("/dev/shm/mpich_shar_tmp"):
                         name = path.removesuffix(" (deleted)")
                         mapped[name] = mapped.get(name, False) or (name == path and os.path.exists(name))
         except OSError:  # gone, or not Linux

@@ -33,7 +33,7 @@ def test_kill_escalates_to_sigkill_for_a_process_that_ignores_sigterm():
     try:
         proc.stdout.readline()  # its handler is in place
         t0 = time.monotonic()
-        _cluster._kill([proc], [], {})
+        _cluster._kill([proc], [])
         assert proc.poll() == -signal.SIGKILL
         assert time.monotonic() - t0 < 15
     finally:
@@ -143,6 +143,8 @@ def test_a_restarted_worker_job_that_dies_too_leaves_no_shared_memory_files():
                 except Exception:  # a worker of the dead job, not yet removed
                     pass
                 time.sleep(0.2)
+            else:
+                pytest.fail(f"the ranks of restarted job {restarts} did not all register")
         mpi_names_unlinked(cluster.worker_pids())
 
 

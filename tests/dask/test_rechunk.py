@@ -573,24 +573,26 @@ def test_argument_errors_and_edge_fallbacks_like_dask(client):
     array rechunks as Dask does; a fallback with ``balance=True`` warns once, as Dask alone does."""
     import warnings
 
+    def same_error(array, spec, **kwargs):
+        with pytest.raises(Exception) as theirs:
+            array.rechunk(spec, method="tasks", **kwargs)
+        with pytest.raises(type(theirs.value), match=re.escape(str(theirs.value))):
+            dask_pgas.rechunk(array, spec, **kwargs)
+
     x = da.ones((12, 10), chunks=(12, 2))
     nan = x[x[:, 0] > 0]  # unknown chunk sizes along axis 0
-    for spec in ({5: 2}, {1: (2, 2)}, {1: 2.5}):  # Dask's own errors, not "call compute_chunk_sizes()"
-        with pytest.raises(Exception) as theirs:
-            nan.rechunk(spec, method="tasks")
-        with pytest.raises(type(theirs.value), match=re.escape(str(theirs.value))):
-            dask_pgas.rechunk(nan, spec)
-    with pytest.raises(TypeError, match="threshold must be a number"):
-        dask_pgas.rechunk(x, (3, 10), threshold="bad")
-    with pytest.raises(TypeError):
-        x.rechunk((3, 10), method="tasks", threshold="bad")
-    for limit in ("lots", [1]):
-        with pytest.raises(Exception) as theirs:
-            x.rechunk((3, 10), method="tasks", block_size_limit=limit)
-        with pytest.raises(type(theirs.value)):
-            dask_pgas.rechunk(x, (3, 10), block_size_limit=limit)
-    assert dask_pgas.rechunk(x, x.chunks, threshold="bad") is x  # a no-op, as in Dask, checks neither
-    y = dask_pgas.rechunk(x, (3, 10), threshold=2.5, block_size_limit="1MiB")
+    for spec in ({5: 2}, {1: (2, 2)}, {1: 2.5}, {0: (6, 6)}):  # Dask's own errors, not "compute_chunk_sizes()"
+        same_error(nan, spec)
+    same_error(nan, {1: 5}, block_size_limit="lots")
+    for kwargs in ({"threshold": "bad"}, {"block_size_limit": "lots"}, {"block_size_limit": [1]}):
+        same_error(x, (3, 10), **kwargs)
+    # where Dask's rechunk does not look at them, neither does this: a no-op, one axis, unknown chunk sizes
+    assert dask_pgas.rechunk(x, x.chunks, threshold="bad") is x
+    line = da.ones(12, chunks=6)
+    assert dask_pgas.rechunk(line, 4, threshold="bad", block_size_limit=[1]).chunks == ((4, 4, 4),)
+    with dask.config.set({"pgas.fallback": "tasks"}):
+        assert dask_pgas.rechunk(nan, {1: 5}, threshold="bad").chunks[1] == (5, 5)
+    y = dask_pgas.rechunk(x, (3, 10), threshold=np.int64(4), block_size_limit=np.array(1e6))
     assert y.name.startswith("pgas-rechunk-") and float(y.sum().compute()) == 120
     empty = da.from_array(np.empty((0, 4), dtype=object), chunks=(1, 2))
     assert dask_pgas.rechunk(empty, (1, 4)).chunks == empty.rechunk((1, 4), method="tasks").chunks == ((0,), (4,))
