@@ -26,7 +26,7 @@ from dask._task_spec import Task, TaskRef
 from dask.highlevelgraph import MaterializedLayer
 
 from ..errors import CollectiveError
-from ._worker_plugin import RunSpec, copy_piece, get_plugin, refuse_unmovable
+from ._worker_plugin import RunSpec, copy_piece, get_plugin, piece_of, refuse_unmovable
 
 
 class _Unfused(Task):
@@ -165,13 +165,11 @@ def build_graph(x, plan, name: str, epoch: int, spec: RunSpec, key_name: str | N
 def _source(dsk: dict, x, token: str, tag: tuple, index: tuple, chunk_slices: tuple, cut: bool):
     """A reference to input chunk ``index`` and the slices of it to read; for a chunk ``cut`` between PEs, a
     :class:`PieceTask` (keyed by ``tag``) that slices it where it is, so that only the part travels."""
-    import operator
-
     ref = TaskRef((x.name, *index))
     if not cut:
         return ref, chunk_slices
     key = (f"pgas-piece-{token}", *tag, *index)
-    dsk[key] = PieceTask(key, operator.getitem, ref, chunk_slices)
+    dsk[key] = PieceTask(key, piece_of, ref, chunk_slices)
     return TaskRef(key), tuple(slice(0, s.stop - s.start) for s in chunk_slices)
 
 

@@ -973,18 +973,30 @@ def refuse_unmovable(arrays: tuple, dtype: Any, package: str) -> None:
             )
 
 
+def _short_chunk(shape: tuple, need: tuple) -> UnsupportedOperandError:
+    return UnsupportedOperandError(
+        f"a chunk has shape {tuple(shape)}, but the Dask array's chunks need at least {need} there: a pgas "
+        "rechunk would fill the rest with made-up values. Make the blocks match the chunks the array declares "
+        "(map_blocks(..., chunks=...)), or rechunk with method='tasks'"
+    )
+
+
+def piece_of(chunk: Any, chunk_slices: tuple) -> Any:
+    """``chunk[chunk_slices]`` (the part of an input chunk cut between PEs), refusing a chunk too small for the
+    slices: the piece would come out short, and its PE could only name the piece's shape."""
+    need = tuple(s.stop for s in chunk_slices)
+    if any(have < stop for have, stop in zip(chunk.shape, need)) or len(chunk.shape) != len(need):
+        raise _short_chunk(chunk.shape, need)
+    return chunk[chunk_slices]
+
+
 def copy_piece(dst: Any, dst_slices: tuple, chunk: Any, chunk_slices: tuple) -> None:
     """``dst[dst_slices] = chunk[chunk_slices]``, refusing a chunk smaller than its array's chunks declare (a
     ``map_blocks`` whose blocks differ from the chunks it declared), which the assignment would broadcast into
     made-up values."""
     part, region = chunk[chunk_slices], dst[dst_slices]
     if part.shape != region.shape:
-        need = tuple(s.stop for s in chunk_slices)
-        raise UnsupportedOperandError(
-            f"a chunk has shape {tuple(chunk.shape)}, but the Dask array's chunks need at least {need} there: a "
-            "pgas rechunk would fill the rest with made-up values. Make the blocks match the chunks the array "
-            "declares (map_blocks(..., chunks=...)), or rechunk with method='tasks'"
-        )
+        raise _short_chunk(chunk.shape, tuple(s.stop for s in chunk_slices))
     region[...] = part
 
 

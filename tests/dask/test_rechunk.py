@@ -353,6 +353,12 @@ def test_chunk_cut_between_pes_ships_only_the_pieces(client):
     # the pieces of the other PEs: (p - 1) / p of the array (whole-chunk shipping moved (p - 1) times it)
     assert moved <= nbytes * (p - 1) / p + 100_000, f"Dask moved {moved} bytes for a {nbytes}-byte array"
     np.testing.assert_array_equal(host(y.compute()), host(x.compute()))
+    # a chunk shorter than declared is refused where it is cut, naming its own shape, not the piece's
+    short = x.map_blocks(lambda block: block[:-1], dtype=x.dtype, meta=x._meta)
+    with pytest.raises(UnsupportedOperandError, match=rf"a chunk has shape \({n - 1}, {n}\), but the Dask "
+                       rf"array's chunks need at least \({n}, {n}\)"):
+        dask_pgas.rechunk(short, (n // p, n)).compute()
+    assert dask_pgas.world(client).broken is None
 
 
 def _runs(client) -> int:
@@ -825,7 +831,7 @@ def test_bad_chunk_on_one_pe_fails_the_run_not_the_world(client):
     """A local failure while packing (here a chunk smaller than its declared shape) is agreed on by every PE
     before the collective: the rechunk raises, no PE is left waiting, and the world stays usable."""
     ref = _reference((60, 30), "float64")
-    x = on_device(da.from_array(ref, chunks=(20, 30)))
+    x = on_device(da.from_array(ref, chunks=(5, 30)))  # 12 chunks: none cut between 1, 2, 3 or 4 PEs
 
     def shrink_first(block, block_info=None):
         return block[:-1] if block_info[0]["chunk-location"][0] == 0 else block
@@ -840,7 +846,7 @@ def test_bad_chunk_on_one_pe_fails_the_run_not_the_world(client):
     # CollectiveError of the run. Several times, as the order of the tasks' reports varies.
     for _ in range(4):
         with pytest.raises(UnsupportedOperandError, match=r"PE 0: UnsupportedOperandError: a chunk has shape "
-                           r"\(19, 30\)") as info:
+                           r"\(4, 30\)") as info:
             dask_pgas.rechunk(bad, (60, 10)).compute()
         assert isinstance(info.value, CollectiveError)
     assert dask_pgas.world(client).broken is None

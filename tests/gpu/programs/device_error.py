@@ -74,7 +74,7 @@ def main() -> None:
     n = 1 << 16
     cols = [Box((0, n * r // SIZE), (8, n * (r + 1) // SIZE)) for r in range(SIZE)]
     rows = [Box((8 * r // SIZE, 0), (8 * (r + 1) // SIZE, n)) for r in range(SIZE)]
-    a = dask_pgas.allocate_symmetric_memory(cols[RANK].box_shape, cp, dtype="float64")
+    a = dask_pgas.allocate_symmetric_memory(cols[RANK].box_shape, cp, dtype="float64", make_symmetric=True)
     b, c, d = (dask_pgas.allocate_symmetric_memory((n,), cp, dtype="float64") for _ in range(3))
     a[...] = RANK
     r = Reshape(a, cols[RANK], rows[RANK])
