@@ -230,3 +230,17 @@ def test_more_workers_than_cores_under_mpich_4_is_said_to_crawl():
     assert why(("mpich", 4), 2, 2) is None  # one per core
     assert why(("mpich", 5), 6, 2) is None  # MPICH 5 yields
     assert why(("mpich", None), 6, 2) is None and why(("openmpi", 4), 6, 2) is None and why(("", None), 6, 2) is None
+
+
+def test_mpi_names_are_unlinked_but_not_the_segments_of_windows(tmp_path, monkeypatch):
+    """Once MPI is up a worker unlinks its job's named files (MPICH 5's ``mpich_shm_*``, ``mpich_vci_*``), not a
+    window's segment (``mpich_shar_tmp*``: MPICH unlinks it once every rank attached it; unlinked earlier, a
+    rank still attaching would fail)."""
+    from dask_pgas.integration import _orphan_guard
+
+    names = ["mpich_shm_1a2b_0", "mpich_vci_1a2b_0", "mpich_shar_tmpAbC123"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    monkeypatch.setattr(_orphan_guard, "mpi_shm_files", lambda pids: {str(tmp_path / n) for n in names})
+    _orphan_guard.unlink_mpi_names()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mpich_shar_tmpAbC123"]
