@@ -41,8 +41,9 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def mpi_shm_files(pids) -> set[str]:
-    """Named shared-memory files of the MPI library (``/dev/shm/mpich_*``) mapped by these processes."""
+def mpi_shm_files(pids, deleted: bool = False) -> set[str]:
+    """Named shared-memory files of the MPI library (``/dev/shm/mpich_*``) mapped by these processes; with
+    ``deleted``, also those unlinked since, as ``/proc`` names them (``"<path> (deleted)"``)."""
     found: set[str] = set()
     for pid in pids:
         try:
@@ -50,7 +51,7 @@ def mpi_shm_files(pids) -> set[str]:
                 for line in f:
                     fields = line.split(maxsplit=5)
                     path = fields[5].rstrip("\n") if len(fields) == 6 else ""
-                    if path.startswith("/dev/shm/mpich_") and not path.endswith(" (deleted)"):
+                    if path.startswith("/dev/shm/mpich_") and (deleted or not path.endswith(" (deleted)")):
                         found.add(path)
         except OSError:  # gone, or not Linux
             pass

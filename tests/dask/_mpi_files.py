@@ -18,17 +18,9 @@ def mpi_names_unlinked(pids) -> None:
     """The ranks unlinked MPICH's named files of their job as soon as MPI was up (a killed or interrupted job
     leaves none in /dev/shm): they map them, as deleted, and /dev/shm has no name of theirs (the segments of
     windows, ``mpich_shar_tmp*``, are MPICH's own to unlink)."""
-    mapped: dict[str, bool] = {}  # path -> still named
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    fields = line.split(maxsplit=5)
-                    path = fields[5].rstrip("\n") if len(fields) == 6 else ""
-                    if path.startswith("/dev/shm/mpich_") and not path.startswith("/dev/shm/mpich_shar_tmp"):
-                        name = path.removesuffix(" (deleted)")
-                        mapped[name] = mapped.get(name, False) or (name == path and os.path.exists(name))
-        except OSError:  # gone, or not Linux
-            pass
-    assert not [name for name, named in mapped.items() if named], mapped
+    from dask_pgas.integration._orphan_guard import mpi_shm_files
+
+    mapped = {path for path in mpi_shm_files(pids, deleted=True) if "/mpich_shar_tmp" not in path}
+    named = [path for path in mapped if not path.endswith(" (deleted)") and os.path.exists(path)]
+    assert not named, mapped
     assert mapped or not _mpich(), f"no MPICH file mapped by {pids}"
