@@ -138,7 +138,8 @@ def build_graph(x, plan, name: str, epoch: int, spec: RunSpec, key_name: str | N
         key = (tname, pe)
         refs, slices = [], []
         for p in pieces:
-            ref, chunk_slices = _source(dsk, x, token, (pe,), p.index, p.chunk_slices, p.index in cut)
+            ref, chunk_slices = _source(dsk, x, token, (pe,), p.index, p.chunk_slices, p.index in cut,
+                                        spec.package)
             refs.append(ref)
             slices.append((chunk_slices, p.box_slices))
         dsk[key] = PinnedTask(key, transfer, name, pe, epoch, plan.npes, spec, tuple(slices), *refs, pe=pe, epoch=epoch,
@@ -162,14 +163,14 @@ def build_graph(x, plan, name: str, epoch: int, spec: RunSpec, key_name: str | N
     return dsk
 
 
-def _source(dsk: dict, x, token: str, tag: tuple, index: tuple, chunk_slices: tuple, cut: bool):
+def _source(dsk: dict, x, token: str, tag: tuple, index: tuple, chunk_slices: tuple, cut: bool, package: str):
     """A reference to input chunk ``index`` and the slices of it to read; for a chunk ``cut`` between PEs, a
     :class:`PieceTask` (keyed by ``tag``) that slices it where it is, so that only the part travels."""
     ref = TaskRef((x.name, *index))
     if not cut:
         return ref, chunk_slices
     key = (f"pgas-piece-{token}", *tag, *index)
-    dsk[key] = PieceTask(key, piece_of, ref, chunk_slices)
+    dsk[key] = PieceTask(key, piece_of, ref, chunk_slices, x.dtype, package)
     return TaskRef(key), tuple(slice(0, s.stop - s.start) for s in chunk_slices)
 
 
@@ -191,7 +192,7 @@ def build_local_graph(x, plan, name: str, epoch: int, package: str, key_name: st
             continue
         refs, slices = [], []
         for src, chunk_slices, out_slices in pieces:
-            ref, chunk_slices = _source(dsk, x, token, index, src, chunk_slices, src in cut)
+            ref, chunk_slices = _source(dsk, x, token, index, src, chunk_slices, src in cut, package)
             refs.append(ref)
             slices.append((chunk_slices, out_slices))
         dsk[key] = PinnedTask(key, assemble, pe, epoch, plan.npes, shape, x.dtype, package, tuple(slices), *refs,

@@ -981,9 +981,11 @@ def _short_chunk(shape: tuple, need: tuple) -> UnsupportedOperandError:
     )
 
 
-def piece_of(chunk: Any, chunk_slices: tuple) -> Any:
-    """``chunk[chunk_slices]`` (the part of an input chunk cut between PEs), refusing a chunk too small for the
-    slices: the piece would come out short, and its PE could only name the piece's shape."""
+def piece_of(chunk: Any, chunk_slices: tuple, dtype: Any, package: str) -> Any:
+    """``chunk[chunk_slices]`` (the part of an input chunk cut between PEs), refusing first what the PE that
+    stages it would refuse (:func:`refuse_unmovable`), and a chunk too small for the slices: the piece would come
+    out short, and its PE could only name the piece's shape."""
+    refuse_unmovable((chunk,), dtype, package)
     need = tuple(s.stop for s in chunk_slices)
     if any(have < stop for have, stop in zip(chunk.shape, need)) or len(chunk.shape) != len(need):
         raise _short_chunk(chunk.shape, need)

@@ -371,6 +371,10 @@ def test_chunk_cut_between_pes_ships_only_the_pieces(client):
     with pytest.raises(UnsupportedOperandError, match=rf"a chunk has shape \({n - 1}, {n}\), but the Dask "
                        rf"array's chunks need at least \({n}, {n}\)"):
         dask_pgas.rechunk(short, (n // p, n)).compute()
+    # and one that is no array, by name (slicing a list by a tuple failed with Python's own TypeError)
+    lists = x.map_blocks(lambda block: block.tolist(), meta=x._meta)
+    with pytest.raises(UnsupportedOperandError, match=r"a chunk is a builtins\.list"):
+        dask_pgas.rechunk(lists, (n // p, n)).compute()
     assert dask_pgas.world(client).broken is None
 
 
