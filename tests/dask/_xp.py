@@ -1,7 +1,8 @@
 """The array package of the Dask suite: NumPy chunks on CPU workers (CI), CuPy chunks on GPU workers.
 
 ``DASK_PGAS_TEST_GPU_WORKERS=K`` runs the same tests on K GPU workers (one ``nvshmem`` PE each; several may share
-one GPU) with CuPy chunks, results compared on the host.
+one GPU) with CuPy chunks, results compared on the host; ``DASK_PGAS_TEST_WORKERS=K`` on K CPU workers (3 by
+default), where a world of another size cuts other chunks between PEs, or (K = 1) plans nothing but local copies.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import os
 import numpy as np
 
 GPU_WORKERS = int(os.environ.get("DASK_PGAS_TEST_GPU_WORKERS", "0") or 0)
-NWORKERS = GPU_WORKERS or 3
+NWORKERS = GPU_WORKERS or int(os.environ.get("DASK_PGAS_TEST_WORKERS", "3") or 3)  # CPU workers
 BACKEND = "nvshmem" if GPU_WORKERS else "mpi"
 
 
