@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 GPU_WORKERS = int(os.environ.get("DASK_PGAS_TEST_GPU_WORKERS", "0") or 0)
-NWORKERS = GPU_WORKERS or int(os.environ.get("DASK_PGAS_TEST_WORKERS", "3") or 3)  # CPU workers
+NWORKERS = GPU_WORKERS or max(1, int(os.environ.get("DASK_PGAS_TEST_WORKERS", "3") or 3))  # CPU workers
 BACKEND = "nvshmem" if GPU_WORKERS else "mpi"
 
 

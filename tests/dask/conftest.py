@@ -1,8 +1,9 @@
 """One local Dask cluster shared by the whole tests/dask session: 3 CPU worker ranks of ``LocalMPICluster`` (an odd
-count), or ``DASK_PGAS_TEST_GPU_WORKERS`` GPU workers (see ``_xp.py``). With ``DASK_PGAS_TEST_CLUSTER=local`` the
-GPU workers are ``distributed.LocalCluster`` Nanny processes instead, not MPI processes: the PGAS world then comes
-up from an NVSHMEM unique id handed out through the scheduler. ``DASK_PGAS_TEST_CLUSTER=dask-cuda`` takes the same path
-with dask-cuda's own ``LocalCUDACluster`` (its defaults, and ``pgas.backends`` left to choose)."""
+count; ``DASK_PGAS_TEST_WORKERS`` for another), or ``DASK_PGAS_TEST_GPU_WORKERS`` GPU workers (see ``_xp.py``). With
+``DASK_PGAS_TEST_CLUSTER=local`` the GPU workers are ``distributed.LocalCluster`` Nanny processes instead, not MPI
+processes: the PGAS world then comes up from an NVSHMEM unique id handed out through the scheduler.
+``DASK_PGAS_TEST_CLUSTER=dask-cuda`` takes the same path with dask-cuda's own ``LocalCUDACluster`` (its defaults,
+and ``pgas.backends`` left to choose)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""pgas rechunk on a local MPI-backed cluster (3 worker ranks), against NumPy and Dask's own rechunk."""
+"""pgas rechunk on a local MPI-backed cluster (3 worker ranks by default, ``DASK_PGAS_TEST_WORKERS``), against NumPy
+and Dask's own rechunk."""
 
 from __future__ import annotations
 
@@ -29,12 +30,9 @@ cpu_only = pytest.mark.skipif(bool(GPU_WORKERS), reason="checks NumPy-chunk beha
 
 
 @pytest.fixture
-def collective_plans(client):
-    """A world of one PE has only local plans (Dask tasks, no run): there the tests of collective runs send
-    them through the collective (``pgas.local-rechunk: False``), so that they test one."""
-    if dask_pgas.world(client).npes > 1:
-        yield
-        return
+def collective_plans():
+    """Plans go through the collective even where they are local (``pgas.local-rechunk: False``): the tests of
+    collective runs test one on a world of any size (on one PE every plan is local, on two some of theirs)."""
     with dask.config.set({"pgas.local-rechunk": False}):
         yield
 
