@@ -30,15 +30,10 @@ def _gpu_count() -> int:
         return 0
 
 
-def _held(client, keys: list) -> bool:
-    """Whether the cluster holds any of ``keys`` in memory."""
-    return any(client.sync(client.scheduler.who_has, keys=keys).values())
-
-
 def wait_forgotten(client, keys: list, timeout: float = 60.0, what: str = "the previous repetition") -> None:
     """Wait until the scheduler dropped ``keys`` (after the last reference went), so a rerun recomputes."""
     deadline = time.monotonic() + timeout
-    while _held(client, keys):
+    while any(client.sync(client.scheduler.who_has, keys=keys).values()):
         if time.monotonic() > deadline:  # a rerun would reuse them and time nothing
             raise TimeoutError(
                 f"after {timeout:g} s the cluster still holds {len(keys)} keys of {what}: a variable still refers "

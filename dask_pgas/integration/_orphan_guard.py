@@ -58,15 +58,6 @@ def mpi_shm_files(pids, deleted: bool = False) -> set[str]:
     return found
 
 
-def remove_files(paths) -> None:
-    """Unlink what is still there (mappings stay valid until their processes unmap them)."""
-    for path in paths:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-
-
 def unlink_mpi_names() -> None:
     """Unlink the named shared-memory files of this process's MPI job (MPICH 5's ``/dev/shm/mpich_shm_*``, and
     ``mpich_vci_*`` with several VCIs), keeping the mappings. Safe once MPI is initialized in the world model
@@ -74,8 +65,12 @@ def unlink_mpi_names() -> None:
     barrier runs through them, and nothing opens them by name later (in the sessions model, ``MPI.Session``, a
     rank that comes later would). The segments of windows (``mpich_shar_tmp*``) are left alone: MPICH unlinks
     each once every rank attached it. MPICH 4 unlinks its files itself; other MPIs make none."""
-    remove_files(path for path in mpi_shm_files([os.getpid()])
-                 if not os.path.basename(path).startswith("mpich_shar_tmp"))
+    for path in mpi_shm_files([os.getpid()]):
+        if not os.path.basename(path).startswith("mpich_shar_tmp"):
+            try:
+                os.unlink(path)  # (the mappings stay valid until their processes unmap them)
+            except OSError:  # another rank of the node unlinked it first
+                pass
 
 
 def watch_launcher(interval: float = 1.0, directory: str | None = None) -> None:
