@@ -27,7 +27,7 @@
 #   demo      the README's main job (embedded default: one worker per GPU)
 #   enginebench  the engine benchmark at 1, 2 and 4 PEs (Reshape.execute against the bare plan and a D2D copy)
 #   bench     the engine benchmark at 1, 2 and 4 PEs; the rechunk benchmark on 1, 2 and 4 workers beside Dask
-#   large     the rechunk benchmark on 1 worker at 32, 48 and 56 GiB
+#   large     the rechunk benchmark on 1 worker at 32, 48 and 56 GiB (LARGE_SIZES=24GiB,32GiB on a 78 GiB H100)
 #   cpubench  the CPU rechunk benchmark (4 CPU workers, MPI engine) S1 and S3 on this host's 16 cores
 #   p2p       Dask p2p on CuPy chunks without dask_pgas, as released and with the candidate fix
 #   heap      what a full NVSHMEM heap does (probe), growing and fixed
@@ -206,7 +206,7 @@ job_cpubench() {  # the CPU benchmark (MPI engine, 4 CPU workers, no GPU) on thi
   grep -h "^| S\|by round\|^# \|Error" "$OUT/cpubench.log" >>"$S" 2>/dev/null
 }
 job_large() {
-  rechunk_bench 1 32GiB,48GiB,56GiB 300 "$OUT/large.log" --tasks-limit 0 --repeats 5
+  rechunk_bench 1 "${LARGE_SIZES:-32GiB,48GiB,56GiB}" 300 "$OUT/large.log" --tasks-limit 0 --repeats 5
   grep -h "GB/s\|floor" "$OUT/large.log" >>"$S" 2>/dev/null
 }
 job_p2p() {
