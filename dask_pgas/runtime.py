@@ -53,6 +53,8 @@ _engines: dict[str, Engine] = {}
 _owner_pid: int | None = None
 _communicator: Any = None  # the communicator initialize() was called with (None for an installed engine)
 _device_id: int | None = None  # the device_id initialize() was given (reported by get_context, as nvmath keeps it)
+_group: ProcessGroup | None = None  # the process group initialize() was given (or made over its communicator)
+_context: tuple[tuple[int, ...], DistributedContext] | None = None  # get_context()'s, by the engines it describes
 
 
 @dataclass(frozen=True)
@@ -67,8 +69,9 @@ class DistributedContext:
         backends: the initialized backends, e.g. ``("mpi",)``.
         rank, nranks: this process's rank and the number of ranks in the PGAS world.
         nvshmem_available: whether the ``"nvshmem"`` backend is initialized (symmetric GPU memory).
-        process_group: ``communicator`` as an :class:`~dask_pgas.process_group.MPIProcessGroup` (nvmath 0.9 and
-            1.0 name the participating processes so); None when ``communicator`` is.
+        process_group: the :class:`~dask_pgas.process_group.MPIProcessGroup` given to :func:`initialize` (nvmath
+            0.9 and 1.0 name the participating processes so), or one over ``communicator`` where a communicator
+            was given; None when ``communicator`` is.
         nccl_comm: always None (as nvmath's without its ``"nccl"`` backend, which dask_pgas does not have).
     """
 
@@ -213,7 +216,7 @@ def initialize(
             given (on any rank); the group is not an MPI one (local: without a communicator there is nothing to
             agree over).
     """
-    global _owner_pid, _communicator, _device_id
+    global _owner_pid, _communicator, _device_id, _group
     group = process_group if process_group is not None else communicator
     both = process_group is not None and communicator is not None and process_group is not communicator
     with _lock:
@@ -256,6 +259,7 @@ def initialize(
         _owner_pid = os.getpid()
         _communicator = comm
         _device_id = device_id
+        _group = group if isinstance(group, MPIProcessGroup) else MPIProcessGroup(comm)
 
 
 def install_engine(engine: Engine) -> None:
@@ -274,7 +278,7 @@ def finalize() -> None:
     Raises :class:`SymmetricMemoryError` on every rank, finalizing nothing, while any rank still references a
     symmetric array (or a view of one) that was not freed: its memory would be freed under it. Allocations
     whose arrays were garbage collected unfreed are freed here."""
-    global _owner_pid, _communicator, _device_id
+    global _owner_pid, _communicator, _device_id, _group, _context
     from .memory import _free_all, _in_use
 
     with _lock:
@@ -297,6 +301,7 @@ def finalize() -> None:
             _owner_pid = None
             _communicator = None
             _device_id = None
+            _group = _context = None
             first = None
             for engine in reversed(engines):  # every engine, whatever one of them raised (agreed: on every rank)
                 try:
@@ -317,26 +322,31 @@ def initialized_backends() -> tuple[str, ...]:
 
 def get_context() -> DistributedContext | None:
     """The initialized runtime's :class:`DistributedContext`, or None before :func:`initialize` (and after
-    :func:`finalize`), as ``nvmath.distributed.get_context``. Local, not collective.
+    :func:`finalize`), as ``nvmath.distributed.get_context``: the same object on every call while the runtime
+    runs the same engines, its ``process_group`` the one given to :func:`initialize`. Local, not collective.
 
     Raises:
         RuntimeStateError: in a forked child of an initialized process (it must initialize itself).
     """
+    global _context
     with _lock:
         if not _engines:
             return None
         engines = _require()
-        first = next(iter(engines.values()))
-        nvshmem = engines.get("nvshmem")
-        return DistributedContext(
-            device_id=getattr(nvshmem, "device", None) if nvshmem is not None else _device_id,
-            communicator=_communicator,
-            backends=tuple(engines),
-            rank=first.rank,
-            nranks=first.nranks,
-            nvshmem_available=nvshmem is not None,
-            process_group=MPIProcessGroup(_communicator) if _communicator is not None else None,
-        )
+        key = tuple(map(id, engines.values()))  # (an engine installed later, from a unique id, changes it)
+        if _context is None or _context[0] != key:
+            first = next(iter(engines.values()))
+            nvshmem = engines.get("nvshmem")
+            _context = key, DistributedContext(
+                device_id=getattr(nvshmem, "device", None) if nvshmem is not None else _device_id,
+                communicator=_communicator,
+                backends=tuple(engines),
+                rank=first.rank,
+                nranks=first.nranks,
+                nvshmem_available=nvshmem is not None,
+                process_group=_group if _communicator is not None else None,
+            )
+        return _context[1]
 
 
 def _same_ranks(comm: Any, world: Any) -> bool:

@@ -54,7 +54,7 @@ def pgas_cluster():
     else:
         cluster = dask_pgas.LocalMPICluster(
             n_workers=NWORKERS, env={"DASK_PGAS__COLLECTIVE_TIMEOUT": "60s"}, backends=[BACKEND],
-            gpus=1 if GPU_WORKERS else 0,
+            gpus=1 if GPU_WORKERS else 0, dashboard_address=None,  # (8787 stays free for the tests' own clusters)
         )
     yield cluster
     cluster.close()

@@ -146,6 +146,7 @@ def context():
         assert isinstance(ctx, runtime.DistributedContext), ctx
         assert ctx.backends == ("mpi",) and ctx.rank == RANK and ctx.nranks == SIZE, ctx
         assert ctx.communicator is COMM and ctx.device_id is None and ctx.nvshmem_available is False, ctx
+        assert ctx.process_group.communicator is COMM and runtime.get_context() is ctx, ctx
         try:
             ctx.rank = 99
         except dataclasses.FrozenInstanceError:
@@ -164,10 +165,18 @@ def nvmath_process_group():
     """nvmath 0.9 / 1.0 style: initialize with an MPIProcessGroup; the context names it, with its collectives."""
     from dask_pgas.process_group import ReductionOp
 
-    dask_pgas.initialize(None, dask_pgas.MPIProcessGroup(COMM), backends=["mpi"])
+    class TaggedGroup(dask_pgas.MPIProcessGroup):  # a user's subclass, with state of its own
+        tag = None
+
+    given = TaggedGroup(COMM)
+    given.tag = RANK
+    dask_pgas.initialize(None, given, backends=["mpi"])
     try:
         ctx = runtime.get_context()
         group = ctx.process_group
+        # the group given, as nvmath's context holds it (a new plain MPIProcessGroup lost the subclass's tag),
+        # in the same context on every call
+        assert group is given and group.tag == RANK and runtime.get_context() is ctx, (group, ctx)
         assert ctx.communicator is COMM and group.communicator is COMM and ctx.nccl_comm is None, ctx
         assert (group.rank, group.nranks) == (RANK, SIZE), group
         buf = np.array([RANK + 1, -RANK], dtype=np.int64)
