@@ -254,8 +254,9 @@ class Reshape:
         output_box: the part this rank will hold after the reshape (a Box, or a Slab on every rank).
         options: :class:`ReshapeOptions` or a dict of its fields; ``blocking`` must be the same on every rank.
         stream: accepted for ``nvmath.distributed`` compatibility (nvmath orders the constructor's own copy of a
-            host operand on it; this constructor makes none). As in nvmath, :meth:`plan` and :meth:`execute` run on
-            the stream given to them, else on the operand package's current stream at that call.
+            host operand on it; this constructor makes none). As in nvmath, :meth:`execute` runs on the stream
+            given to it, else on the operand package's current stream at that call; :meth:`plan` takes one too,
+            and launches no stream work here.
 
     The result of :meth:`execute` is a new array of the output box's shape, of the operand's package (a torch CPU
     tensor for a torch CPU operand, which is moved as its NumPy view), in the operand's memory order. When the
@@ -756,7 +757,8 @@ class Reshape:
 
         The first ``free()`` (before :func:`dask_pgas.finalize`) opens with the agreement that every rank is in
         it, planned or not. On a mismatch it raises; the object is then freed on every rank if every rank was in
-        a call of this object (see :meth:`_agree_call`), else left as it was."""
+        a call of this object (one rank left a ``with`` block by an exception while the others were in
+        ``execute()``, say), else left as it was."""
         if not self._freed and self._runtime_error() is None:
             self._agree_call(_control_plane(), None, "free")
         self._release()

@@ -166,7 +166,7 @@ def _ask(client, handler: str, **kwargs: Any) -> Any:
 
 
 def world(client=None, *, detail: bool = False) -> World | None:
-    """The cluster's PGAS world (PE <-> worker), or None before :func:`bootstrap`.
+    """The cluster's PGAS world (PE <-> worker), or None before :func:`bootstrap` and after :func:`teardown`.
 
     With ``detail`` every member also reports its symmetric heap use, runs and collective time.
     """

@@ -266,8 +266,9 @@ class LocalMPICluster:
             ``pgas.bootstrap-timeout``).
         restart_workers: start a new worker job when the running one ends (a rank died): MPI takes the whole
             job down; the world then must be bootstrapped again.
-        gpus: one worker per GPU, worker ``k`` seeing GPU ``k mod gpus`` as its device 0 (of this process's
-            ``CUDA_VISIBLE_DEVICES`` when set: entry ``k mod gpus`` of it); 0 for CPU workers.
+        gpus: the GPUs to use: worker ``k`` sees GPU ``k mod gpus`` as its device 0 (of this process's
+            ``CUDA_VISIBLE_DEVICES`` when set: entry ``k mod gpus`` of it), so more workers than GPUs share
+            them; 0 for CPU workers.
         dashboard_address: where the scheduler serves Dask's dashboard, as ``LocalCluster`` takes it (``":8787"``,
             another port when that one is taken; ``":0"`` any port); None: no dashboard. It needs ``bokeh``
             (``pip install bokeh``); without it the scheduler runs without one and :attr:`dashboard_link` is

@@ -207,7 +207,7 @@ def rechunk(
                          "rechunk asks the scheduler synchronously",
                          "Build it in a thread: y = await asyncio.to_thread(dask_pgas.rechunk, x, chunks).", *args)
     world = _world(client, x)
-    if world and world["broken"]:  # (also once teardown dropped it: world() shows the same)
+    if world and world["broken"]:  # (a member left: world() shows it broken too)
         return _fallback(x, chunks, world["broken"], "", *args)  # (it says how to recover)
     if not world or not world["workers"]:
         return _fallback(x, chunks, "the cluster has no PGAS world",
