@@ -21,6 +21,7 @@ __all__ = [
     "PGASError",
     "PGASRechunkUnsupported",
     "PGASWorldError",
+    "PackageUnavailableError",
     "RuntimeStateError",
     "SymmetricMemoryError",
     "SymmetricMemoryLeakWarning",
@@ -47,6 +48,11 @@ class BackendUnavailableError(PGASError, RuntimeError):
 
 class UnknownBackendError(BackendUnavailableError, ValueError):
     """``backends`` names no backend of dask_pgas (or none at all); a ``ValueError``, as nvmath raises there."""
+
+
+class PackageUnavailableError(BackendUnavailableError, ValueError):
+    """No initialized backend takes arrays of this package (NumPy symmetric memory on a world of ``"nvshmem"``
+    alone, CuPy on one of ``"mpi"`` alone); a ``ValueError``, as nvmath's refusal of a package it does not take."""
 
 
 class DistributionError(PGASError, ValueError):

@@ -25,7 +25,13 @@ import numpy as np
 
 from ._arrays import array_info, package_name, package_of, to_numpy_dtype
 from .engines.base import Allocation, Engine
-from .errors import BackendUnavailableError, NotSymmetricMemoryError, SymmetricMemoryError, warn_leak
+from .errors import (
+    BackendUnavailableError,
+    NotSymmetricMemoryError,
+    PackageUnavailableError,
+    SymmetricMemoryError,
+    warn_leak,
+)
 from .runtime import _control_plane, engine_for_package
 
 __all__ = ["allocate_symmetric_memory", "free_symmetric_memory", "heap_usage", "is_symmetric_memory"]
@@ -70,7 +76,8 @@ def _agree(control, error: str | None, payload: Any = None) -> list[Any]:
 
 
 #: local errors raised with their own class on every rank (the others become SymmetricMemoryError)
-_KEEP: dict[str, type[Exception]] = {cls.__name__: cls for cls in (BackendUnavailableError, NotSymmetricMemoryError)}
+_KEEP: dict[str, type[Exception]] = {cls.__name__: cls for cls in (BackendUnavailableError, PackageUnavailableError,
+                                                                     NotSymmetricMemoryError)}
 _MISUSE, _NOT_SYMMETRIC = SymmetricMemoryError.__name__, NotSymmetricMemoryError.__name__  # (_lookup's classes)
 
 
@@ -172,7 +179,7 @@ def allocate_symmetric_memory(
         nbytes = math.prod(dims) * np_dtype.itemsize
         desc = f"{pkg} {dims} {np_dtype}"
     except BackendUnavailableError as exc:  # reported to all ranks, never raised alone
-        error = ("BackendUnavailableError", str(exc))
+        error = (type(exc).__name__ if type(exc).__name__ in _KEEP else "BackendUnavailableError", str(exc))
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     with _lock:

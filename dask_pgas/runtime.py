@@ -23,6 +23,7 @@ from .engines.base import ControlPlane, Engine
 from .errors import (
     BackendUnavailableError,
     NotInitializedError,
+    PackageUnavailableError,
     RuntimeStateError,
     SymmetricMemoryError,
     UnknownBackendError,
@@ -404,7 +405,7 @@ def engine_for_package(package: str, *, allocation: bool = False) -> Engine:
     if allocation and package == "torch" and "mpi" in _engines:  # (nvmath's torch symmetric memory is on GPUs)
         hint = ("; on the mpi engine symmetric memory is NumPy (torch.from_numpy() of it is a tensor over it), and "
                 "torch CPU tensors are reshape operands as they are, symmetric or not")
-    raise BackendUnavailableError(
+    raise PackageUnavailableError(
         f"no initialized backend handles {package} arrays (initialized: {sorted(_engines)}); "
         f"initialize with backends=[{need!r}]{hint}"
     )

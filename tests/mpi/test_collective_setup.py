@@ -19,7 +19,7 @@ REQUIRED = {
     "nccl alone": "UnknownBackendError",
     "different backends on different ranks": "BackendUnavailableError",  # D1
     "default backends on one rank, mpi on the others": None,  # D2 (expectation depends on the machine)
-    "package without a backend on one rank": "BackendUnavailableError",  # D3
+    "package without a backend on one rank": "PackageUnavailableError",  # D3 (a BackendUnavailableError)
     "invalid package object on one rank": "SymmetricMemoryError",  # D3
     "make_symmetric on one rank only": "SymmetricMemoryError",  # D4
     "get_context before, during and after initialize": "none",  # P5

@@ -637,6 +637,19 @@ def test_empty_shapes_are_both_c_and_f_contiguous():
     assert _contiguity((2, 3), (8, 16), 8) == (False, True)
 
 
+def test_a_package_no_backend_takes_is_a_value_error_as_in_nvmath(self_world):
+    """nvmath refuses symmetric memory of a package it does not take with a ``ValueError``: the same class here
+    (also a ``BackendUnavailableError``, which it was alone before) for a package the world's backends do not
+    take, for allocations and reshape operands alike."""
+    with pytest.raises(ValueError, match="no initialized backend handles cupy arrays") as caught:
+        dask_pgas.allocate_symmetric_memory((2,), "cupy")
+    assert isinstance(caught.value, errors.PackageUnavailableError)
+    assert isinstance(caught.value, errors.BackendUnavailableError)
+    assert dask_pgas.runtime.engine_for_package("numpy").name == "mpi"
+    with pytest.raises(errors.PackageUnavailableError, match="initialize with backends=\\['nvshmem'\\]"):
+        dask_pgas.runtime.engine_for_package("cupy")
+
+
 def test_torch_symmetric_memory_on_the_mpi_engine_is_refused_with_the_cpu_way(self_world):
     """nvmath's ``allocate_symmetric_memory(shape, torch)`` makes GPU tensors; on the mpi engine the refusal says
     what a CPU port does instead, and that way works: a tensor over symmetric NumPy memory is an operand."""

@@ -259,10 +259,11 @@ def allocate_and_free(*args, check=None, **kwargs):
         dask_pgas.free_symmetric_memory(a)
 
 
+# (a BackendUnavailableError, and a ValueError as nvmath's refusal of a package)
 alloc_case("package without a backend on one rank",
-           lambda: allocate_and_free((4,), "cupy" if RANK == LAST else np), "BackendUnavailableError")
+           lambda: allocate_and_free((4,), "cupy" if RANK == LAST else np), "PackageUnavailableError")
 alloc_case("package without a backend on every rank", lambda: allocate_and_free((4,), "cupy"),
-           "BackendUnavailableError")
+           "PackageUnavailableError")
 alloc_case("invalid package object on one rank",
            lambda: allocate_and_free((4,), np.random if RANK == LAST else np), "SymmetricMemoryError")
 alloc_case("make_symmetric on one rank only",
