@@ -103,8 +103,8 @@ _RAISABLE = {
     cls.__name__: cls
     for cls in (
         DistributionError, UnsupportedOperandError, OperandMismatchError, SymmetricMemoryError,
-        NotSymmetricMemoryError, BackendUnavailableError, RuntimeStateError, DeviceError, TypeError, ValueError,
-        MemoryError,
+        NotSymmetricMemoryError, BackendUnavailableError, errors.PackageUnavailableError, RuntimeStateError,
+        DeviceError, TypeError, ValueError, MemoryError,
     )
 }
 

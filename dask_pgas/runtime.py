@@ -55,7 +55,7 @@ _owner_pid: int | None = None
 _communicator: Any = None  # the communicator initialize() was called with (None for an installed engine)
 _device_id: int | None = None  # the device_id initialize() was given (reported by get_context, as nvmath keeps it)
 _group: ProcessGroup | None = None  # the process group initialize() was given (or made over its communicator)
-_context: tuple[tuple[int, ...], DistributedContext] | None = None  # get_context()'s, by the engines it describes
+_context: DistributedContext | None = None  # get_context()'s, made anew whenever the engines change
 
 
 @dataclass(frozen=True)
@@ -217,7 +217,7 @@ def initialize(
             given (on any rank); the group is not an MPI one (local: without a communicator there is nothing to
             agree over).
     """
-    global _owner_pid, _communicator, _device_id, _group
+    global _owner_pid, _communicator, _device_id, _group, _context
     group = process_group if process_group is not None else communicator
     both = process_group is not None and communicator is not None and process_group is not communicator
     with _lock:
@@ -261,16 +261,18 @@ def initialize(
         _communicator = comm
         _device_id = device_id
         _group = group if isinstance(group, MPIProcessGroup) else MPIProcessGroup(comm)
+        _context = None
 
 
 def install_engine(engine: Engine) -> None:
     """Register an engine brought up by other means (e.g. NVSHMEM from a unique id handed out by Dask)."""
-    global _owner_pid
+    global _owner_pid, _context
     with _lock:
         if engine.name in _engines:
             raise RuntimeStateError(f"backend {engine.name!r} is already initialized; call finalize() first")
         _engines[engine.name] = engine
         _owner_pid = os.getpid()
+        _context = None
 
 
 def finalize() -> None:
@@ -334,11 +336,10 @@ def get_context() -> DistributedContext | None:
         if not _engines:
             return None
         engines = _require()
-        key = tuple(map(id, engines.values()))  # (an engine installed later, from a unique id, changes it)
-        if _context is None or _context[0] != key:
+        if _context is None:
             first = next(iter(engines.values()))
             nvshmem = engines.get("nvshmem")
-            _context = key, DistributedContext(
+            _context = DistributedContext(
                 device_id=getattr(nvshmem, "device", None) if nvshmem is not None else _device_id,
                 communicator=_communicator,
                 backends=tuple(engines),
@@ -347,7 +348,7 @@ def get_context() -> DistributedContext | None:
                 nvshmem_available=nvshmem is not None,
                 process_group=_group if _communicator is not None else None,
             )
-        return _context[1]
+        return _context
 
 
 def _same_ranks(comm: Any, world: Any) -> bool:

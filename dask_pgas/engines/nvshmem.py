@@ -1105,9 +1105,9 @@ def get_nvshmem_uniqueid(device_id: int | None = None, *, single_node: bool | No
 
     Call it in the process that will be rank 0 (NVSHMEM starts the bootstrap listener in this process), then
     hand the bytes to every rank by any channel and call :func:`initialize_from_uniqueid` everywhere (rank 0
-    included). It first sets NVSHMEM's environment defaults where the user has not set them:
-    ``NVSHMEM_DISABLE_NVLS=1``, ``NVSHMEM_DISABLE_NCCL=1``, ``DASK_PGAS_HEAP_SIZE`` as ``NVSHMEM_SYMMETRIC_SIZE``,
-    and with ``single_node=True`` ``NVSHMEM_REMOTE_TRANSPORT=none`` and ``NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo``.
+    included). It first sets NVSHMEM's environment defaults (:func:`apply_env_defaults`): among them
+    ``NVSHMEM_DISABLE_NVLS=1`` unless the user set it to ``0``, and with ``single_node=True``
+    ``NVSHMEM_REMOTE_TRANSPORT=none`` and ``NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo`` where the user has not set them.
     """
     from ..bindings import nvshmem
     from ..bindings.cuda import driver

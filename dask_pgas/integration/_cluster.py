@@ -272,8 +272,8 @@ class LocalMPICluster:
         dashboard_address: where the scheduler serves Dask's dashboard, as ``LocalCluster`` takes it (``":8787"``,
             another port when that one is taken; ``":0"`` any port); None: no dashboard. It needs ``bokeh``
             (``pip install bokeh``); without it the scheduler runs without one and :attr:`dashboard_link` is
-            empty. (The scheduler's HTTP server for ``/health`` and ``/metrics`` runs either way: without a
-            dashboard on any free port.)
+            empty. (The scheduler's HTTP server, ``/health`` and ``/metrics`` among its routes, runs either way:
+            without a dashboard on any free port of 127.0.0.1.)
 
     Not a ``distributed.deploy.Cluster``: besides ``Client(cluster)`` it offers ``scheduler_address``,
     ``dashboard_link``, ``get_client()``, ``wait_for_workers()``, ``get_logs()`` / ``logs()``, ``close()``,
@@ -347,9 +347,10 @@ class LocalMPICluster:
                 "scheduler",
                 [sys.executable, "-m", "distributed.cli.dask_scheduler", "--scheduler-file", self.scheduler_file,
                  "--host", "127.0.0.1", "--port", "0",
-                 # (without a dashboard the scheduler still serves /health and /metrics over HTTP, at 8787 unless
-                 # told otherwise: any free port then, so that it takes no port a dashboard elsewhere wants)
-                 "--dashboard-address", dashboard_address or ":0", *(() if dashboard_address else ("--no-dashboard",)),
+                 # (without a dashboard the scheduler still serves HTTP routes, /health and /metrics among them, at
+                 # 8787 unless told otherwise: any free local port then, taking none a dashboard elsewhere wants)
+                 "--dashboard-address", dashboard_address or "127.0.0.1:0",
+                 *(() if dashboard_address else ("--no-dashboard",)),
                  "--preload", "dask_pgas.integration._orphan_guard"],
                 {**self._env, _orphan_guard.DIR_ENV: self._dir},  # removed by the scheduler if orphaned
             )

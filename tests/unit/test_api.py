@@ -650,6 +650,16 @@ def test_a_package_no_backend_takes_is_a_value_error_as_in_nvmath(self_world):
         dask_pgas.runtime.engine_for_package("cupy")
 
 
+def test_a_reshape_operand_no_backend_takes_keeps_its_class_through_the_agreement(self_world, monkeypatch):
+    """(The operand's description carries its error to every rank by class name: an unknown name became a
+    ``CollectiveError``.) A CuPy operand on an mpi world, as this CPU machine can give none."""
+    monkeypatch.setattr(dask_pgas.reshape, "engine_for_package",
+                        lambda package: dask_pgas.runtime.engine_for_package("cupy"))
+    box = dask_pgas.Box((0,), (2,))
+    with pytest.raises(errors.PackageUnavailableError, match="no initialized backend handles cupy arrays"):
+        dask_pgas.Reshape(np.zeros(2), box, box)
+
+
 def test_torch_symmetric_memory_on_the_mpi_engine_is_refused_with_the_cpu_way(self_world):
     """nvmath's ``allocate_symmetric_memory(shape, torch)`` makes GPU tensors; on the mpi engine the refusal says
     what a CPU port does instead, and that way works: a tensor over symmetric NumPy memory is an operand."""

@@ -156,6 +156,11 @@ def context():
     finally:
         dask_pgas.finalize()
     assert runtime.get_context() is None, "get_context() after finalize must be None"
+    dask_pgas.initialize(None, COMM, backends=["mpi"])  # a new runtime: a new context
+    try:
+        assert runtime.get_context() is not ctx and runtime.get_context().communicator is COMM, runtime.get_context()
+    finally:
+        dask_pgas.finalize()
 
 
 case("get_context before, during and after initialize", context)
