@@ -7,6 +7,7 @@ workers to clients), and every message says what to do about it.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Container
 
 __all__ = [
     "BackendUnavailableError",
@@ -110,6 +111,13 @@ class SymmetricMemoryLeakWarning(UserWarning):
 
     Shown by default (not a ``ResourceWarning``, which Python hides): the memory stays allocated until
     ``finalize()``, and a heap is small. It points at the line that allocated the memory."""
+
+
+def carried_name(cls: type[BaseException], kept: Container[str]) -> str:
+    """The name under which a local error of class ``cls`` travels to the other ranks: the first class of its MRO
+    whose name the receiving side raises as such (``kept``), else its own name (which the receiver raises as its
+    fallback class). A subclass thus arrives as its nearest kept base, not as the fallback."""
+    return next((c.__name__ for c in cls.__mro__ if c.__name__ in kept), cls.__name__)
 
 
 def warn_leak(message: str, origin: tuple[str, int] | None) -> None:

@@ -30,6 +30,7 @@ from .errors import (
     NotSymmetricMemoryError,
     PackageUnavailableError,
     SymmetricMemoryError,
+    carried_name,
     warn_leak,
 )
 from .runtime import _control_plane, engine_for_package
@@ -179,7 +180,7 @@ def allocate_symmetric_memory(
         nbytes = math.prod(dims) * np_dtype.itemsize
         desc = f"{pkg} {dims} {np_dtype}"
     except BackendUnavailableError as exc:  # reported to all ranks, never raised alone
-        error = (type(exc).__name__ if type(exc).__name__ in _KEEP else "BackendUnavailableError", str(exc))
+        error = (carried_name(type(exc), _KEEP), str(exc))
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     with _lock:

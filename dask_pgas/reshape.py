@@ -31,9 +31,11 @@ from .errors import (
     DistributionError,
     NotSymmetricMemoryError,
     OperandMismatchError,
+    PackageUnavailableError,
     RuntimeStateError,
     SymmetricMemoryError,
     UnsupportedOperandError,
+    carried_name,
 )
 from .geometry.boxes import bounding_box, tiling_error
 from .memory import _allocate_internal, _allocation_of, _heap_position, _is_live, _was_freed, is_symmetric_memory
@@ -98,13 +100,14 @@ _FREED_OPERAND = (
 )
 
 
-# exceptions that a description may carry from one rank to all (by name, so nothing is unpickled blindly)
+# exceptions that a description may carry from one rank to all (by name, so nothing is unpickled blindly; a
+# subclass of one travels as it: errors.carried_name)
 _RAISABLE = {
     cls.__name__: cls
     for cls in (
         DistributionError, UnsupportedOperandError, OperandMismatchError, SymmetricMemoryError,
-        NotSymmetricMemoryError, BackendUnavailableError, errors.PackageUnavailableError, RuntimeStateError,
-        DeviceError, TypeError, ValueError, MemoryError,
+        NotSymmetricMemoryError, BackendUnavailableError, PackageUnavailableError, RuntimeStateError, DeviceError,
+        TypeError, ValueError, MemoryError,
     )
 }
 
@@ -133,7 +136,7 @@ def _agree(
     made another (``plan()`` on one rank only) meets its peers at the next agreement and all raise
     :class:`~dask_pgas.errors.CollectiveMismatchError`, naming each rank's call and its local error if any.
     Steps inside a call (``call=None``) agree on local work that could fail on one rank only."""
-    bad = control.agree(None if error is None else f"{error[0].__name__}: {error[1]}", call, same)
+    bad = control.agree(None if error is None else f"{carried_name(error[0], _RAISABLE)}: {error[1]}", call, same)
     if bad:
         rank, text = bad[0]
         name, _, msg = text.partition(": ")
@@ -404,7 +407,7 @@ class Reshape:
                     "a non-contiguous GPU operand cannot be reshaped in place; pass a contiguous symmetric array"
                 )
         except Exception as exc:  # every local failure is reported to all ranks, never raised alone
-            desc["error"] = (type(exc).__name__, str(exc))
+            desc["error"] = (carried_name(type(exc), _RAISABLE), str(exc))
         return desc, engine, parsed
 
     @staticmethod

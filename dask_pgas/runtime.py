@@ -54,8 +54,7 @@ _engines: dict[str, Engine] = {}
 _owner_pid: int | None = None
 _communicator: Any = None  # the communicator initialize() was called with (None for an installed engine)
 _device_id: int | None = None  # the device_id initialize() was given (reported by get_context, as nvmath keeps it)
-_group: ProcessGroup | None = None  # the process group initialize() was given (or made over its communicator)
-_context: DistributedContext | None = None  # get_context()'s, made anew whenever the engines change
+_context: DistributedContext | None = None  # what get_context() returns: made whenever the engines change
 
 
 @dataclass(frozen=True)
@@ -217,7 +216,7 @@ def initialize(
             given (on any rank); the group is not an MPI one (local: without a communicator there is nothing to
             agree over).
     """
-    global _owner_pid, _communicator, _device_id, _group, _context
+    global _owner_pid, _communicator, _device_id
     group = process_group if process_group is not None else communicator
     both = process_group is not None and communicator is not None and process_group is not communicator
     with _lock:
@@ -260,19 +259,18 @@ def initialize(
         _owner_pid = os.getpid()
         _communicator = comm
         _device_id = device_id
-        _group = group if isinstance(group, MPIProcessGroup) else MPIProcessGroup(comm)
-        _context = None
+        _new_context(group if isinstance(group, MPIProcessGroup) else MPIProcessGroup(comm))
 
 
 def install_engine(engine: Engine) -> None:
     """Register an engine brought up by other means (e.g. NVSHMEM from a unique id handed out by Dask)."""
-    global _owner_pid, _context
+    global _owner_pid
     with _lock:
         if engine.name in _engines:
             raise RuntimeStateError(f"backend {engine.name!r} is already initialized; call finalize() first")
         _engines[engine.name] = engine
         _owner_pid = os.getpid()
-        _context = None
+        _new_context(_context.process_group if _context is not None else None)
 
 
 def finalize() -> None:
@@ -281,7 +279,7 @@ def finalize() -> None:
     Raises :class:`SymmetricMemoryError` on every rank, finalizing nothing, while any rank still references a
     symmetric array (or a view of one) that was not freed: its memory would be freed under it. Allocations
     whose arrays were garbage collected unfreed are freed here."""
-    global _owner_pid, _communicator, _device_id, _group, _context
+    global _owner_pid, _communicator, _device_id, _context
     from .memory import _free_all, _in_use
 
     with _lock:
@@ -304,7 +302,7 @@ def finalize() -> None:
             _owner_pid = None
             _communicator = None
             _device_id = None
-            _group = _context = None
+            _context = None
             first = None
             for engine in reversed(engines):  # every engine, whatever one of them raised (agreed: on every rank)
                 try:
@@ -331,24 +329,28 @@ def get_context() -> DistributedContext | None:
     Raises:
         RuntimeStateError: in a forked child of an initialized process (it must initialize itself).
     """
-    global _context
     with _lock:
         if not _engines:
             return None
-        engines = _require()
-        if _context is None:
-            first = next(iter(engines.values()))
-            nvshmem = engines.get("nvshmem")
-            _context = DistributedContext(
-                device_id=getattr(nvshmem, "device", None) if nvshmem is not None else _device_id,
-                communicator=_communicator,
-                backends=tuple(engines),
-                rank=first.rank,
-                nranks=first.nranks,
-                nvshmem_available=nvshmem is not None,
-                process_group=_group if _communicator is not None else None,
-            )
+        _require()
         return _context
+
+
+def _new_context(group: ProcessGroup | None) -> None:
+    """Describe the engines now running (under ``_lock``), with the process group they run over (None without
+    a communicator: an engine brought up from a unique id alone)."""
+    global _context
+    first = next(iter(_engines.values()))
+    nvshmem = _engines.get("nvshmem")
+    _context = DistributedContext(
+        device_id=getattr(nvshmem, "device", None) if nvshmem is not None else _device_id,
+        communicator=_communicator,
+        backends=tuple(_engines),
+        rank=first.rank,
+        nranks=first.nranks,
+        nvshmem_available=nvshmem is not None,
+        process_group=group if _communicator is not None else None,
+    )
 
 
 def _same_ranks(comm: Any, world: Any) -> bool:

@@ -349,8 +349,8 @@ class LocalMPICluster:
                  "--host", "127.0.0.1", "--port", "0",
                  # (without a dashboard the scheduler still serves HTTP routes, /health and /metrics among them, at
                  # 8787 unless told otherwise: any free local port then, taking none a dashboard elsewhere wants)
-                 "--dashboard-address", dashboard_address or "127.0.0.1:0",
-                 *(() if dashboard_address else ("--no-dashboard",)),
+                 *(("--dashboard-address", dashboard_address) if dashboard_address else
+                   ("--dashboard-address", "127.0.0.1:0", "--no-dashboard")),
                  "--preload", "dask_pgas.integration._orphan_guard"],
                 {**self._env, _orphan_guard.DIR_ENV: self._dir},  # removed by the scheduler if orphaned
             )

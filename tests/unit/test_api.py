@@ -660,6 +660,25 @@ def test_a_reshape_operand_no_backend_takes_keeps_its_class_through_the_agreemen
         dask_pgas.Reshape(np.zeros(2), box, box)
 
 
+def test_a_local_error_of_a_subclass_travels_as_its_nearest_kept_class(self_world, monkeypatch):
+    """The ranks carry a local error by class name: a subclass the receiving table does not list arrives as its
+    nearest listed base (it became the fallback, ``CollectiveError``, and so lost what callers catch it by)."""
+
+    class Refused(errors.UnsupportedOperandError):
+        pass
+
+    def refuse(package):
+        raise Refused("refused by a subclass")
+
+    monkeypatch.setattr(dask_pgas.reshape, "engine_for_package", refuse)
+    box = dask_pgas.Box((0,), (2,))
+    with pytest.raises(errors.UnsupportedOperandError, match="refused by a subclass") as caught:
+        dask_pgas.Reshape(np.zeros(2), box, box)
+    assert not isinstance(caught.value, errors.CollectiveError)
+    assert errors.carried_name(Refused, {"TypeError"}) == "TypeError"
+    assert errors.carried_name(RuntimeError, {"TypeError"}) == "RuntimeError"  # (the receiver's fallback then)
+
+
 def test_torch_symmetric_memory_on_the_mpi_engine_is_refused_with_the_cpu_way(self_world):
     """nvmath's ``allocate_symmetric_memory(shape, torch)`` makes GPU tensors; on the mpi engine the refusal says
     what a CPU port does instead, and that way works: a tensor over symmetric NumPy memory is an operand."""
