@@ -83,8 +83,8 @@ _MISUSE, _NOT_SYMMETRIC = SymmetricMemoryError.__name__, NotSymmetricMemoryError
 
 
 def _normalize_shape(shape: int | Sequence[int]) -> tuple[int, ...]:
-    if isinstance(shape, int) or hasattr(shape, "__index__"):
-        shape = (shape,)
+    if isinstance(shape, int) or (hasattr(shape, "__index__") and getattr(shape, "ndim", 0) == 0):
+        shape = (shape,)  # (an integer, or a 0-d integer array; a 1-d NumPy array is a sequence of sizes)
     out = tuple(operator.index(n) for n in shape)
     if any(n < 0 for n in out):
         raise ValueError(f"negative dimension in shape {out}")

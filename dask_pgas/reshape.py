@@ -95,6 +95,17 @@ def _options(options: ReshapeOptions | dict | None) -> ReshapeOptions:
 
 _NO_OPERAND: Any = object()  # no operand waits to be checked (see Reshape.reset_operand_unchecked)
 
+
+def _count_alone() -> int:
+    """What ``sys.getrefcount`` says of an object that only a list refers to, asked as
+    :meth:`Reshape._recycled_result` asks (Python 3.14 counts fewer references on the stack than before)."""
+    pool = [object()]
+    i = 0
+    return sys.getrefcount(pool[i])
+
+
+_ALONE = _count_alone() if hasattr(sys, "getrefcount") else 0
+
 _FREED_OPERAND = (
     "the operand was freed with free_symmetric_memory(); its memory may belong to another allocation now"
 )
@@ -195,6 +206,9 @@ def _resolve_slabs(descs: list[dict]) -> None:
     if descs[0].get("out_slab"):
         slab = Slab(descs[0]["out_slab"][0])
         ins = [Box(*d["in"]) for d in descs]
+        if len({b.ndim for b in ins}) > 1:
+            raise DistributionError(f"the input boxes differ in dimensionality across ranks "
+                                    f"({_by_rank([b.ndim for b in ins])})")
         full = [b for b in ins if not b.is_empty]
         if full and (start := bounding_box(full).lower) != (0,) * len(start):
             raise DistributionError(
@@ -216,10 +230,16 @@ def _kind(operand: Any) -> str | None:
 
 def _dtype_name(operand: Any, dtype: np.dtype) -> Any:
     """What the ranks compare for an operand's dtype: a torch dtype's own name (NumPy sees both float8 types as
-    ``V1``), else the NumPy dtype's string (fields in full for structured dtypes)."""
+    ``V1``), else the NumPy dtype's string (fields in full for structured dtypes: their ``descr``, or their string
+    where NumPy has no ``descr``, for fields out of offset order or overlapping)."""
     if package_of(operand) == "torch":
         return str(operand.dtype)
-    return dtype.descr if dtype.fields else str(dtype)
+    if dtype.fields:
+        try:
+            return dtype.descr
+        except ValueError:
+            pass
+    return str(dtype)
 
 
 def _check_positions(positions: list[tuple[int, int] | None]) -> None:
@@ -738,15 +758,22 @@ class Reshape:
         """A previous result that nobody but this object references any more (no view, no name), else None.
 
         A fresh result costs page faults on first touch (about as much as the exchange itself on a CPU);
-        recycling makes ``b = r.execute()`` in a loop run at the speed of the exchange.
+        recycling makes ``b = r.execute()`` in a loop run at the speed of the exchange. A result that its last
+        holder changed in place (``b.shape = -1``, ``b.dtype = ...``, read-only) is dropped instead: it no longer
+        fits the plan, and the engine would refuse it on this rank only, inside the exchange.
         """
         pool = self._results
         for i in range(len(pool)):
-            # references: the pool's list, getrefcount's argument; anything more is the caller's
-            if sys.getrefcount(pool[i]) <= 2:
-                result = pool.pop(i)
-                pool.append(result)
-                return result
+            # references: the pool's list (and getrefcount's argument, as far as the interpreter counts it:
+            # _ALONE); anything more is the caller's
+            if sys.getrefcount(pool[i]) <= _ALONE:
+                result, spec = pool.pop(i), self._spec
+                flags = result.flags
+                if (result.shape == spec.output_box.box_shape and result.dtype == spec.dtype and flags.writeable
+                        and (flags.c_contiguous if spec.order == "C" else flags.f_contiguous)):
+                    pool.append(result)
+                    return result
+                return None
         return None
 
     def _remember(self, result: Any) -> None:

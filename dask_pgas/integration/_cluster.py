@@ -44,6 +44,7 @@ from dask.system import CPU_COUNT  # (affinity and cgroup quotas counted)
 from distributed.core import Status
 
 from . import _orphan_guard
+from ._config import MAX_SECONDS
 
 __all__ = ["LocalMPICluster"]
 
@@ -201,8 +202,8 @@ def _check_arguments(n_workers: Any, threads_per_worker: Any, memory_limit: Any,
             ok = False
         if not ok:
             raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-    if not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout <= MAX_SECONDS):
+        raise ValueError(f"timeout must be a positive number of seconds (at most {MAX_SECONDS:.0e}), got {timeout!r}")
     try:  # as each worker will read it
         limit = parse_memory_limit(memory_limit, int(threads_per_worker), logger=logging.getLogger(__name__))
     except (TypeError, ValueError) as exc:

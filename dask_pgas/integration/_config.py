@@ -21,14 +21,20 @@ from .._defaults import DEFAULTS  # (registered with Dask on ``import dask_pgas`
 __all__ = ["DEFAULTS", "check_all", "duration", "problem", "setting"]
 
 
+#: the longest duration taken (about 31 years): thread waits refuse timeouts past ``threading.TIMEOUT_MAX``
+MAX_SECONDS = 1e9
+
+
 def duration(value: Any, what: str) -> float:
-    """``value`` (seconds, a string such as ``"120s"`` or a timedelta) as positive seconds."""
+    """``value`` (seconds, a string such as ``"120s"`` or a timedelta) as positive seconds, at most
+    :data:`MAX_SECONDS`."""
     try:
         seconds = None if isinstance(value, bool) else parse_timedelta(value, "s")
     except (TypeError, ValueError, KeyError):
         seconds = None
-    if seconds is None or not seconds > 0:
-        raise ValueError(f"{what} must be a positive duration such as 120 or '120s', got {value!r}")
+    if seconds is None or not 0 < seconds <= MAX_SECONDS:
+        raise ValueError(f"{what} must be a positive duration such as 120 or '120s' (at most {MAX_SECONDS:.0e} s), "
+                         f"got {value!r}")
     return float(seconds)
 
 
@@ -91,8 +97,8 @@ def _seconds(value: Any) -> Any:
 _KEYS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "fallback": (_choice, "'raise', 'tasks' or 'p2p'"),
     "backends": (_backends, "null or a list of backend names such as [mpi]"),
-    "collective-timeout": (_seconds, "a positive duration such as 120 or '120s'"),
-    "bootstrap-timeout": (_seconds, "a positive duration such as 120 or '120s'"),
+    "collective-timeout": (_seconds, f"a positive duration such as 120 or '120s' (at most {MAX_SECONDS:.0e} s)"),
+    "bootstrap-timeout": (_seconds, f"a positive duration such as 120 or '120s' (at most {MAX_SECONDS:.0e} s)"),
     "plan-cache-size": (_positive_int, "an integer >= 1 (engine plans kept per worker)"),
     "buffer-growth": (_at_least_one, "a number >= 1"),
     "output-pool": (_size, "a size such as '1GiB', or 0 to turn the pool off"),

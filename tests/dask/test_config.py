@@ -29,6 +29,8 @@ pytestmark = pytest.mark.timeout(60)
         ("collective-timeout", "bogus"),
         ("collective-timeout", 0),
         ("collective-timeout", True),  # what Dask makes of DASK_PGAS__COLLECTIVE_TIMEOUT=true: not 1 s
+        ("collective-timeout", "1e10"),  # past what a thread's wait takes: every output task raised OverflowError
+        ("collective-timeout", float("inf")),
         ("plan-cache-size", 16.5),
         ("bootstrap-timeout", "-1s"),
         ("fallback", "nope"),
@@ -65,7 +67,7 @@ def test_good_values():
         assert _config.setting("plan-cache-size") == 8 and _config.setting("buffer-growth") == 1.25
 
 
-@pytest.mark.parametrize("timeout", [-1, 0, "bogus", "-5s", float("nan")])
+@pytest.mark.parametrize("timeout", [-1, 0, "bogus", "-5s", float("nan"), float("inf"), 2e9])
 def test_bootstrap_refuses_a_bad_timeout_before_looking_for_a_client(timeout):
     with pytest.raises(ValueError, match=r"bootstrap\(timeout=...\) must be a positive duration"):
         dask_pgas.bootstrap(timeout=timeout)

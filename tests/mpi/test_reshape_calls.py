@@ -48,7 +48,7 @@ MESSAGES = {
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_misused_calls_raise_the_same_error_on_every_rank(nranks):
     result, outcomes = run_cases("bad_calls.py", nranks, timeout=180)  # hangs fail; ranks agree
-    assert len(outcomes) == 44, sorted(outcomes)
+    assert len(outcomes) == 45, sorted(outcomes)
     for name, outcome in outcomes.items():
         assert outcome["raised"] == outcome["expect"], (name, outcome)
         if outcome["expect"] != "none":

@@ -86,6 +86,7 @@ BAD_INPUTS = {
     "Slab on some ranks, Box on others": "DistributionError",
     "Slab output over boxes away from the origin": "DistributionError",
     "Slab operands differ in dimensionality across ranks": "DistributionError",
+    "Slab output over input boxes of different dimensionality": "DistributionError",
     "Slab extents off its axis differ across ranks": "DistributionError",
     "a dtype's metadata does not pickle on one rank (not an error)": "none",
 }

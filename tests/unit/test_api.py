@@ -193,6 +193,22 @@ def test_heap_position_names_the_allocation_and_offset():
         dask_pgas.finalize()
 
 
+def test_symmetric_shapes_as_numpy_integers_and_arrays():
+    """The shape may be an int, a NumPy integer (0-d arrays too) or a sequence of them, a NumPy array included
+    (as ``np.empty`` takes them); a 1-d array was taken for one size and refused."""
+    from mpi4py import MPI
+
+    dask_pgas.initialize(communicator=MPI.COMM_SELF, backends=["mpi"])
+    try:
+        for shape, expect in ((np.array([2, 3]), (2, 3)), (np.int64(5), (5,)), (np.array(4), (4,)),
+                              ([np.int32(2), 3], (2, 3))):
+            a = dask_pgas.allocate_symmetric_memory(shape, np)
+            assert a.shape == expect == np.empty(shape).shape, shape
+            dask_pgas.free_symmetric_memory(a)
+    finally:
+        dask_pgas.finalize()
+
+
 def test_allocations_and_reshapes_are_numbered_per_world():
     """Numbers compared across ranks (free_symmetric_memory's, the position check's, Reshape#n) start again with
     each world: a process that had a world before names the same objects as a process that had none."""

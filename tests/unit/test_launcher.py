@@ -95,6 +95,7 @@ def test_bootstrap_warns_when_an_intact_world_has_other_backends(caplog):
     ({"gpus": -1}, "gpus must be an integer >= 0"),
     ({"gpus": 10**6}, r"gpus=1000000, but this machine shows \d+ GPU"),
     ({"timeout": 0}, "timeout must be a positive number"),
+    ({"timeout": float("inf")}, r"timeout must be a positive number of seconds \(at most 1e\+09\), got inf"),
     ({"mpiexec_args": ("-n", 2)}, "mpiexec_args must be strings"),
     ({"mpiexec_args": None}, "mpiexec_args must be strings"),
     ({"mpiexec_args": (a for a in ("-v", 3))}, "mpiexec_args must be strings"),  # a generator, read once

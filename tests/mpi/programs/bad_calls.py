@@ -418,6 +418,27 @@ def reset_to_other_layout():
 case("reset_operand to another layout: in-place updates seen", reset_to_other_layout)
 
 
+def results_changed_in_place_on_one_rank():
+    """Results are recycled once dropped; one that its holder reshaped, retyped or froze in place on one rank is
+    not (the engine would refuse it there alone, inside the exchange, and the other ranks would wait)."""
+
+    def freeze(b):
+        b.flags.writeable = False
+
+    changes = (lambda b: setattr(b, "shape", (-1,)), lambda b: setattr(b, "dtype", np.int64), freeze)
+    with planned() as r:
+        for change in changes:
+            for _ in range(3):
+                b = r.execute()
+                assert np.array_equal(b, piece(row())), "a recycled result came out wrong"
+                if RANK == 1:
+                    change(b)
+                del b
+
+
+case("results changed in place on one rank, then dropped: later executes right", results_changed_in_place_on_one_rank)
+
+
 # -- P1-P3: nvmath.distributed signatures ----------------------------------------------------------------------------
 def nvmath_signatures():
     a = piece(col())

@@ -117,6 +117,10 @@ case("Slab output over boxes away from the origin", lambda: run(
 case("Slab operands differ in dimensionality across ranks", lambda: run(  # off-axis extents alike: (4,)
     operand((4, 3) if RANK == 0 else (4,)), Slab.Y, Slab.X
 ))
+case("Slab output over input boxes of different dimensionality", lambda: run(  # a NumPy error on every rank
+    operand((4, N) if RANK == 0 else (4, N, 1)), row() if RANK == 0 else Box((4 * RANK, 0, 0), (4 * RANK + 4, N, 1)),
+    Slab.X
+))
 case("Slab extents off its axis differ across ranks", lambda: run(
     operand((4, N + 1) if RANK == 1 else (4, N)), Slab.X, row()
 ))

@@ -40,9 +40,12 @@ COMMON = ["bool", "int8", "uint8", "int16", "int32", "int64", "float16", "float3
 STRING_STRUCTS = [np.dtype([("a", "<i2"), ("b", "S2")]), np.dtype([("a", "<i4"), ("b", "U3")])]
 # x87 extended precision: MPI_LONG_DOUBLE moves 10 of its 16 bytes, yet every byte must travel
 EXTENDED = ["longdouble", "clongdouble", np.dtype([("a", "i1"), ("b", "longdouble")], align=True)]
+# fields out of offset order, and overlapping ones: NumPy has no ``descr`` for them
+UNORDERED = [np.dtype({"names": ["x", "y"], "formats": ["u1", "<i2"], "offsets": [4, 0], "itemsize": 8}),
+             np.dtype({"names": ["w", "h"], "formats": ["<i4", "<i2"], "offsets": [0, 2], "itemsize": 4})]
 HOST_ONLY = ["uint16", "uint32", "uint64", ">f8", "<i4", "S5", "V3",
              np.dtype([("a", "i1"), ("b", "<f8")]), np.dtype([("a", "i1"), ("b", "<f8")], align=True),
-             *STRING_STRUCTS, *EXTENDED]
+             *STRING_STRUCTS, *EXTENDED, *UNORDERED]
 DTYPES = [np.dtype(d) for d in COMMON + (HOST_ONLY if opts.package == "numpy" else [])]
 # (NumPy dtype, torch dtype name or None): torch CPU tensors also take NumPy's unsigned types and the types NumPy
 # lacks, generated as raw bytes of their size and viewed as that torch type
