@@ -230,6 +230,10 @@ def show_world(args: argparse.Namespace) -> int:
         print(f"dask-pgas world: no scheduler answers at the address in {args.scheduler_file} ({exc})",
               file=sys.stderr)
         return 1
+    except ValueError as exc:  # an address Dask cannot parse ("tcp://host" without a port, an unknown scheme)
+        print(f"dask-pgas world: {args.scheduler_file} is not a scheduler file: its address is unusable ({exc})",
+              file=sys.stderr)
+        return 2
     with client:
         try:
             dask_pgas.bootstrap(client)

@@ -135,21 +135,32 @@ def _stop_client(client) -> None:
 
 
 def _kill(procs: list, logs: list) -> None:
-    """SIGTERM, then SIGKILL, every process group still running; close the logs."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    """SIGTERM, then SIGKILL, every process group still running; close the logs. An interrupt during the wait
+    after SIGTERM still sends the SIGKILL."""
+
+    def signal_all(sig) -> list:
         alive = [p for p in procs if p.poll() is None]
         for p in alive:
             try:
                 os.killpg(p.pid, sig)
             except ProcessLookupError:
                 pass
-        for p in alive:
+        return alive
+
+    try:
+        for p in signal_all(signal.SIGTERM):
             try:
                 p.wait(5)
             except subprocess.TimeoutExpired:
                 pass
-    for log in logs:
-        log.close()
+    finally:
+        for p in signal_all(signal.SIGKILL):
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        for log in logs:
+            log.close()
 
 
 def _cleanup(stop: threading.Event, lock: threading.RLock, procs: list, logs: list, directory: str) -> None:
@@ -157,8 +168,10 @@ def _cleanup(stop: threading.Event, lock: threading.RLock, procs: list, logs: li
     remove the temporary directory. Holds no reference to the cluster (``weakref.finalize``)."""
     with lock:  # the watcher starts no new worker job after this
         stop.set()
-    _kill(procs, logs)
-    shutil.rmtree(directory, ignore_errors=True)
+    try:
+        _kill(procs, logs)
+    finally:  # (a second Ctrl-C inside the kill's waits: this runs once, so the directory goes now or never)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _watch(ref: weakref.ref, stop: threading.Event, lock: threading.RLock) -> None:
@@ -463,14 +476,17 @@ class LocalMPICluster:
         """The dashboard's address (Dask's ``distributed.dashboard.link`` template), or "" without one."""
         import importlib.util
 
-        from distributed.utils import format_dashboard_link
+        from distributed.utils import clean_dashboard_address, format_dashboard_link
 
         # (the scheduler's HTTP server, named "dashboard", also runs without bokeh, serving only /health and
         # /metrics; the scheduler runs in this environment, so it has bokeh where this process has it)
         port = getattr(self, "_info", {}).get("services", {}).get("dashboard")
         if not port or not self._dashboard_address or importlib.util.find_spec("bokeh") is None:
             return ""
-        return format_dashboard_link("127.0.0.1", port)
+        # the host it was asked to listen on, where that is one host (as LocalCluster's link); every interface
+        # (":8787", "0.0.0.0:0") is reached through the loopback
+        host = clean_dashboard_address(self._dashboard_address)[0]["address"]
+        return format_dashboard_link(host if host not in ("", "0.0.0.0", "::", "[::]") else "127.0.0.1", port)
 
     def scale(self, n: int) -> None:
         """The workers are the ranks of one MPI job: only their number is accepted."""

@@ -176,7 +176,7 @@ def test_auto_memory_limit_shares_the_machine_among_the_workers(client):
     assert limits == [share] * NWORKERS, (limits, share)
 
 
-@pytest.mark.parametrize("address", [":0", None, "", "without bokeh"])
+@pytest.mark.parametrize("address", [":0", "127.0.0.2:0", None, "", "without bokeh"])
 def test_dashboard_and_logs_as_local_cluster_gives_them(address, monkeypatch):
     """The scheduler ran with --no-dashboard, always: no dashboard for notebook users. It now serves one where
     LocalCluster would (bokeh installed: the test extra has it), at ``dashboard_link``; ``dashboard_address=None``
@@ -215,8 +215,9 @@ def test_dashboard_and_logs_as_local_cluster_gives_them(address, monkeypatch):
         elif importlib.util.find_spec("bokeh") is None:
             assert cluster.dashboard_link == "" and "it needs bokeh" in cluster._repr_html_()
         else:
-            link = cluster.dashboard_link
-            assert link.startswith("http://127.0.0.1:") and link in html, (link, html)
+            link = cluster.dashboard_link  # (on the host asked for: one that listens on 127.0.0.2 only was
+            host = "127.0.0.2" if address.startswith("127.0.0.2") else "127.0.0.1"  # linked at 127.0.0.1)
+            assert link.startswith(f"http://{host}:") and link in html, (link, html)
             with urllib.request.urlopen(link, timeout=30) as page:
                 assert page.status == 200
         logs = cluster.get_logs()

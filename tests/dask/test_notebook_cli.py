@@ -290,6 +290,21 @@ def test_cli_world_with_a_stale_scheduler_file(tmp_path, capsys):
     assert "no scheduler answers" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("address", ["garbage", "tcp://127.0.0.1", "foo://127.0.0.1:1"])
+def test_cli_world_refuses_an_address_dask_cannot_parse(tmp_path, capsys, address):
+    """A scheduler file whose address has no port or an unknown scheme: one line and exit 2, not distributed's
+    traceback."""
+    import json
+
+    from dask_pgas.cli import main
+
+    path = tmp_path / "scheduler.json"
+    path.write_text(json.dumps({"address": address}))
+    assert main(["world", "--scheduler-file", str(path), "--timeout", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "is not a scheduler file: its address is unusable" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("content", ["", "{}", "garbage", "[1, 2]", '{"address": ""}', None])
 def test_cli_world_refuses_what_is_not_a_scheduler_file(tmp_path, capsys, content):
     """An empty file (read again for up to --timeout, at most 2 s: the scheduler may be writing it), another

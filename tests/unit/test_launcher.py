@@ -245,3 +245,35 @@ def test_mpi_names_are_unlinked_but_not_the_segments_of_windows(tmp_path, monkey
     monkeypatch.setattr(_orphan_guard, "mpi_shm_files", lambda pids: {str(tmp_path / n) for n in names})
     _orphan_guard.unlink_mpi_names()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mpich_shar_tmpAbC123"]
+
+
+def test_a_second_interrupt_during_the_kill_still_kills_and_cleans(tmp_path, monkeypatch):
+    """Ctrl-C twice while a cluster starts: the second one landed in the wait after SIGTERM, so the SIGKILL pass
+    and the removal of the cluster's directory never ran (the cleanup runs once: the directory stayed)."""
+    import signal
+    import subprocess
+    import threading
+
+    from dask_pgas.integration import _cluster
+
+    sent = []
+    monkeypatch.setattr(_cluster.os, "killpg", lambda pid, sig: sent.append(sig))
+
+    class Proc:
+        pid, waits = 12345, 0
+
+        def poll(self):
+            return None  # still running: each pass signals it
+
+        def wait(self, timeout):
+            self.waits += 1
+            if self.waits == 1:
+                raise KeyboardInterrupt  # the second Ctrl-C
+            raise subprocess.TimeoutExpired("mpiexec", timeout)
+
+    log = open(tmp_path / "x.log", "w")
+    directory = tmp_path / "cluster"
+    directory.mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        _cluster._cleanup(threading.Event(), threading.RLock(), [Proc()], [log], str(directory))
+    assert sent == [signal.SIGTERM, signal.SIGKILL] and log.closed and not directory.exists()
