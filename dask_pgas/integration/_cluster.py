@@ -138,27 +138,23 @@ def _kill(procs: list, logs: list) -> None:
     """SIGTERM, then SIGKILL, every process group still running; close the logs. An interrupt during the wait
     after SIGTERM still sends the SIGKILL."""
 
-    def signal_all(sig) -> list:
+    def signal_and_wait(sig) -> None:
         alive = [p for p in procs if p.poll() is None]
         for p in alive:
             try:
                 os.killpg(p.pid, sig)
             except ProcessLookupError:
                 pass
-        return alive
+        for p in alive:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
 
     try:
-        for p in signal_all(signal.SIGTERM):
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
+        signal_and_wait(signal.SIGTERM)
     finally:
-        for p in signal_all(signal.SIGKILL):
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
+        signal_and_wait(signal.SIGKILL)
         for log in logs:
             log.close()
 
