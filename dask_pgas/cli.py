@@ -216,6 +216,18 @@ def _not_a_scheduler_file(path: str) -> str | None:
         return f"no JSON object in it ({type(exc).__name__}: {exc}); is the scheduler still writing it?"
     if not isinstance(address, str) or not address:
         return "it holds no scheduler address"
+    # an address Dask cannot use ("tcp://host" without a port, an unknown scheme): refused before a Client is
+    # made (distributed 2025.1's half-made Client then deadlocked in its __del__)
+    from distributed.comm.addressing import parse_address, parse_host_port
+    from distributed.comm.registry import get_backend
+
+    try:
+        scheme, location = parse_address(address)
+        get_backend(scheme)
+        if scheme in ("tcp", "tls"):
+            parse_host_port(location)
+    except ValueError as exc:
+        return f"its address {address!r} is unusable ({exc})"
     return None
 
 
@@ -230,10 +242,6 @@ def show_world(args: argparse.Namespace) -> int:
         print(f"dask-pgas world: no scheduler answers at the address in {args.scheduler_file} ({exc})",
               file=sys.stderr)
         return 1
-    except ValueError as exc:  # an address Dask cannot parse ("tcp://host" without a port, an unknown scheme)
-        print(f"dask-pgas world: {args.scheduler_file} is not a scheduler file: its address is unusable ({exc})",
-              file=sys.stderr)
-        return 2
     with client:
         try:
             dask_pgas.bootstrap(client)
