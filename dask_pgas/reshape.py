@@ -168,6 +168,10 @@ def _distribution(value: Any) -> Box | Slab:
     return value if isinstance(value, Slab) else Box.from_any(value)
 
 
+def _differing_ndims(ndims: list[int]) -> DistributionError:
+    return DistributionError(f"boxes differ in dimensionality across ranks ({_by_rank(ndims)})")
+
+
 def _resolve_slabs(descs: list[dict]) -> None:
     """Every rank's boxes for the Slab sides, worked out alike on every rank from every rank's description (it
     raises the same :class:`DistributionError` on all of them). A Slab input infers the global shape from the
@@ -206,9 +210,8 @@ def _resolve_slabs(descs: list[dict]) -> None:
     if descs[0].get("out_slab"):
         slab = Slab(descs[0]["out_slab"][0])
         ins = [Box(*d["in"]) for d in descs]
-        if len({b.ndim for b in ins}) > 1:
-            raise DistributionError(f"the input boxes differ in dimensionality across ranks "
-                                    f"({_by_rank([b.ndim for b in ins])})")
+        if len({b.ndim for b in ins}) > 1:  # (before the slab is worked out from them; _check_global's check)
+            raise _differing_ndims([b.ndim for b in ins])
         full = [b for b in ins if not b.is_empty]
         if full and (start := bounding_box(full).lower) != (0,) * len(start):
             raise DistributionError(
@@ -437,9 +440,7 @@ class Reshape:
             raise ValueError(f"options are inconsistent across processes (blocking: {_by_rank(blocking)})")
         ndims = [len(d["in"][0]) for d in descs] + [len(d["out"][0]) for d in descs]
         if len(set(ndims)) > 1:
-            raise DistributionError(
-                f"boxes differ in dimensionality across ranks ({_by_rank(ndims[: len(descs)])})"
-            )
+            raise _differing_ndims(ndims[: len(descs)])
         for key, what in (("package", "array packages"), ("dtype", "dtypes")):
             values = [d[key] for d in descs]
             if any(v != values[0] for v in values):

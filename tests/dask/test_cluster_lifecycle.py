@@ -211,6 +211,7 @@ def test_dashboard_and_logs_as_local_cluster_gives_them(address, monkeypatch):
         html = client._repr_html_()
         if not address:  # (the scheduler's HTTP server runs all the same, without the dashboard's pages)
             assert cluster.dashboard_link == "" and "off" in cluster._repr_html_()
+            assert cluster._info["services"]["dashboard"] != 8787
             assert "already in use" not in cluster.get_logs()["scheduler"]  # (8787 is taken, here or elsewhere)
         elif importlib.util.find_spec("bokeh") is None:
             assert cluster.dashboard_link == "" and "it needs bokeh" in cluster._repr_html_()

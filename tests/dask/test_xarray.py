@@ -66,6 +66,15 @@ def test_dataarray_and_dataset_chunk_run_pgas(client, pgas_method):
     np.testing.assert_array_equal(host(back.t.data.compute()), ref)
 
 
+def test_chunk_without_install_stays_dask(client):
+    """Opt-in: without install() the config value is not consulted by dask_pgas, and xarray's chunk runs Dask's
+    own rechunk (``tasks``) whatever else is set."""
+    a = xr.DataArray(on_device(da.from_array(np.arange(120.0).reshape(12, 10), chunks=(12, 5))), dims=("y", "x"))
+    b = a.chunk({"y": 4, "x": -1})
+    assert not _rechunked_by_pgas(b)
+    np.testing.assert_array_equal(host(b.data.compute()), np.arange(120.0).reshape(12, 10))
+
+
 def test_chunk_takes_pgas_only_where_the_config_says_so(client):
     """Installed, dask_pgas is consulted only for ``array.rechunk.method: pgas``: with ``tasks`` (or no setting)
     xarray's chunk runs Dask's own rechunk; after ``uninstall()`` the config value ``pgas`` is Dask's unknown
