@@ -710,6 +710,8 @@ class Reshape:
         except Exception as exc:  # reported to all ranks, never raised alone
             sync = ("sync_symmetric_memory", None)
             error = error or (TypeError, f"sync_symmetric_memory must be True or False ({type(exc).__name__}: {exc})")
+        if error is None and self._symmetric:
+            error = self._offset_error(vetted)
         shape, order = self._spec.output_box.box_shape, self._spec.order
         result = None
         if error is None and not self._symmetric:  # local: allocated before the agreement, which covers its failure
@@ -752,6 +754,29 @@ class Reshape:
         self.logger.info("%s: execute() %s in %.3f ms", self._name, "ended" if blocks else "enqueued",
                          (time.perf_counter() - t0) * 1e3)
         return from_host_view(result, self._tensor_dtype) if self._host_tensor else result
+
+    def _offset_error(self, vetted: tuple | None) -> tuple[type[BaseException], str] | None:
+        """Local, before :meth:`execute`'s agreement: why the plan cannot move the symmetric operand where it
+        starts in its allocation (an engine that needs aligned words and cannot copy around them), or why an
+        operand given by :meth:`reset_operand_unchecked` (``vetted``) cannot take the path that the agreed offset
+        chose: its offset differs in the bytes that choose it."""
+        offset = self._offset
+        try:
+            if vetted is not None and offset is not None:
+                position = _heap_position(vetted[0])
+                alignment = self._plan.operand_alignment
+                if position is not None and (position[1] - offset) % alignment:
+                    raise SymmetricMemoryError(
+                        f"the operand given to reset_operand_unchecked() starts {position[1]} bytes into its "
+                        f"allocation and the plan's operand {offset} bytes in; the plan moves {alignment}-byte "
+                        "words, so the two offsets must differ by a multiple of that: give it with "
+                        "reset_operand(), which agrees on the operand's place across ranks"
+                    )
+            if offset is not None:
+                self._plan.refuse_offset(offset)
+        except Exception as exc:  # reported to all ranks, never raised alone
+            return type(exc), str(exc)
+        return None
 
     _POOL = 2  # results kept for reuse: enough for ``b = r.execute()`` in a loop
 

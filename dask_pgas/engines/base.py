@@ -154,6 +154,17 @@ class ReshapePlan(ABC):
         None when unknown: then ``src`` starts its allocation or is not symmetric); ``dst`` starts its own.
         """
 
+    #: the operand offsets this plan tells apart: two offsets of a symmetric ``src`` that differ by a multiple of
+    #: it take the same path (a GPU plan that moves words of this many bytes)
+    operand_alignment: int = 1
+
+    def refuse_offset(self, offset: int) -> None:
+        """Raise when this plan cannot move a symmetric ``src`` that starts ``offset`` bytes into its allocation
+        (the offset the ranks agreed on, so it raises alike on every rank). Local; ``Reshape`` asks before its
+        agreement, so no rank allocates a result or enters the collective for an operand the plan refuses.
+        The default refuses no offset."""
+        return None
+
     @abstractmethod
     def free(self) -> None:
         """Release the plan's resources (collective)."""

@@ -8,8 +8,9 @@
   "is this on the heap" is ``nvshmem_ptr(p, my_pe) != NULL``.
 * Reshape: one cuFFTMp reshape handle per plan (``CUFFT_COMM_NONE``) with the boxes described in 3-D words by
   :mod:`dask_pgas.geometry.cufftmp_layout`. A reshape in which every rank keeps its own box is a device copy (no
-  collective). Layouts cuFFTMp cannot express (element sizes that do not pack, boxes cuFFTMp rejects) fall back,
-  when every peer's heap is mapped (one node), to device copies that pull each piece from the peer's memory.
+  collective). Layouts that cuFFTMp's 3-D words cannot express (element sizes that do not pack, boxes that do not
+  reduce to 3 axes) fall back, when every peer's heap is mapped (one node), to device copies that push each piece
+  into the peer's memory.
   NumPy operands are staged through symmetric buffers of the plan and come back as NumPy.
 """
 
@@ -358,7 +359,8 @@ class NVSHMEMControl(ControlPlane):
     def allgather(self, obj: Any) -> list[Any]:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         header = struct.pack("<Q", len(data))
-        with self._lock:
+        # (NVSHMEM's host calls act on the current context: a user's or a Dask worker's thread may have another)
+        with self._lock, self.drv.current():
             fits = 8 + len(data) <= self.capacity
             self._write(header + (data if fits else b""))
             self.nv.barrier_all()
@@ -382,11 +384,13 @@ class NVSHMEMControl(ControlPlane):
         return out
 
     def barrier(self) -> None:
-        self.nv.barrier_all()
+        with self.drv.current():
+            self.nv.barrier_all()
 
     def free(self) -> None:
         if self.buf:
-            self.nv.free(self.buf)
+            with self.drv.current():
+                self.nv.free(self.buf)
             self.buf = 0
 
 
@@ -827,7 +831,7 @@ def _use_device_in_packages(device: int) -> None:
 
 class NVSHMEMReshapePlan(ReshapePlan):
     """Modes: ``"copy"`` (every rank keeps its box: a device copy), ``"cufftmp"``, ``"peer"`` (device copies
-    that pull pieces from peer-mapped symmetric memory), chosen identically on every rank."""
+    that push pieces into peer-mapped symmetric memory), chosen identically on every rank."""
 
     @property
     def drv(self) -> Any:
@@ -981,11 +985,7 @@ class NVSHMEMReshapePlan(ReshapePlan):
                 # a view at an offset inside its allocation: cuFFTMp's kernels move words of this size and need
                 # them aligned. Decided by the offset every rank agreed on (not the local pointer: a rank whose
                 # piece is empty may pass another view), so every PE takes the same path
-                if not self.engine.peers_mapped:
-                    raise UnsupportedOperandError(
-                        f"the operand starts {offset % word} bytes past a {word}-byte boundary, and cuFFTMp moves "
-                        f"{word}-byte words here; pass a view that starts at a multiple of {word} bytes into its "
-                        "allocation (or the allocation itself)")
+                self.refuse_offset(offset)  # (Reshape asked before its agreement already)
                 _trace(self.spec.rank, f"execute: pointers not {word}-byte aligned, peer copies")
                 self._run_peer(src, dst, stream)
                 return
@@ -995,32 +995,49 @@ class NVSHMEMReshapePlan(ReshapePlan):
         else:
             self._run_peer(src, dst, stream)
 
+    @property
+    def operand_alignment(self) -> int:
+        return self.layout.word_size if self.mode == "cufftmp" else 1
+
+    def refuse_offset(self, offset: int) -> None:
+        """An operand off cuFFTMp's word boundary takes the peer copies, which need every peer's heap mapped."""
+        word = self.operand_alignment
+        if offset % word and not self.engine.peers_mapped:
+            raise UnsupportedOperandError(
+                f"the operand starts {offset % word} bytes past a {word}-byte boundary, and cuFFTMp moves "
+                f"{word}-byte words here; pass a view that starts at a multiple of {word} bytes into its "
+                "allocation (or the allocation itself)")
+
     def _run_peer(self, src: int, dst: int, stream: int) -> None:
+        """Device copies that push each piece of this PE's input into its output PE's ``dst``, through that PE's
+        mapped heap. Peers are addressed through ``dst``, which is at the same place of the heap on every PE (a
+        block made collectively: the plan's staging, a Reshape result, the Dask buffers), never through ``src``:
+        a PE whose input is empty may pass a view anywhere, and reads nothing."""
         spec, eng = self.spec, self.engine
         item = spec.dtype.itemsize
 
         def bounds(box: Box) -> Box:
             return box if spec.order == "C" else Box(box.lower[::-1], box.upper[::-1])
 
-        my_out = bounds(spec.output_box)
+        my_in = bounds(spec.input_box)
         eng.nv.sync_all_on_stream(stream)
         try:
             with _StreamContext(stream, eng.device):
-                out_view = None
-                for pe, in_box in enumerate(spec.input_boxes):
-                    in_box = bounds(in_box)
-                    if in_box.is_empty or my_out.is_empty:
+                in_view = None
+                for pe, out_box in enumerate(spec.output_boxes):
+                    out_box = bounds(out_box)
+                    if out_box.is_empty or my_in.is_empty:
                         continue
-                    piece = in_box.intersection(my_out)
+                    piece = my_in.intersection(out_box)
                     if piece is None:
                         continue
-                    if out_view is None:
-                        out_view = _word_view(dst, my_out.box_shape, item, eng.device)
-                    base = src if pe == spec.rank else eng.nv.ptr(src, pe)
-                    in_view = _word_view(base, in_box.box_shape, item, eng.device)
-                    _copy(out_view[piece.relative_to(my_out)], in_view[piece.relative_to(in_box)])
+                    if in_view is None:
+                        in_view = _word_view(src, my_in.box_shape, item, eng.device)
+                    base = dst if pe == spec.rank else eng.nv.ptr(dst, pe)
+                    out_view = _word_view(base, out_box.box_shape, item, eng.device)
+                    _copy(out_view[piece.relative_to(out_box)], in_view[piece.relative_to(my_in)])
         finally:
-            # peers may reuse their input only once every pull is done; a PE whose copies failed still takes
+            # a PE reads its output only once every push into it is done; a PE whose copies failed still takes
             # part (the others' streams wait for it here), then raises
             eng.nv.sync_all_on_stream(stream)
 

@@ -26,7 +26,7 @@ from dask._task_spec import Task, TaskRef
 from dask.highlevelgraph import MaterializedLayer
 
 from ..errors import CollectiveError
-from ._worker_plugin import RunSpec, copy_piece, get_plugin, piece_of, refuse_unmovable
+from ._worker_plugin import RunSpec, agreed_error_class, copy_piece, get_plugin, piece_of, refuse_unmovable
 
 
 class _Unfused(Task):
@@ -89,8 +89,8 @@ def barrier(name: str, epoch: int, *transfers: int) -> int:
 
     worker = get_plugin().worker
     result = sync(worker.loop, worker.scheduler.pgas_barrier, name=name, epoch=epoch)
-    if result["status"] != "OK":
-        raise CollectiveError(result["message"])
+    if result["status"] != "OK":  # (a reason with a class of its own, a bad config value, raises as that too)
+        raise (agreed_error_class(result["class"]) if result.get("class") else CollectiveError)(result["message"])
     return result["run"]
 
 

@@ -51,6 +51,7 @@ class _Run:
         self.after: asyncio.Future | None = None  # the previous run's ``ended``: members run this one after it
         self.task: asyncio.Future | None = None
         self.error: str | None = None  # why it could not start
+        self.error_class: str | None = None  # the builtin class of that reason, if it has one (a bad config value)
 
     def fail(self, message: str) -> None:
         if not self.failed.done():
@@ -464,7 +465,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                 return {"status": "error", "message": f"{name} was released before its collective started"}
             run = self._start(name, epoch)
         if run.error is not None:
-            return {"status": "error", "message": run.error}
+            return {"status": "error", "message": run.error, "class": run.error_class}
         return {"status": "OK", "run": run.seq}
 
     def _start(self, name: str, epoch: int) -> _Run:
@@ -484,7 +485,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         elif missing := [w for w in self.world if w not in self.scheduler.workers]:
             error = f"PGAS world members {missing} are gone"
         elif bad is not None:
-            error = bad
+            error, run.error_class = bad, "ValueError"
         else:
             error = None
             self._seq += 1
@@ -500,7 +501,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         name = run.name
         try:
             if run.error is not None:
-                return {"status": "error", "message": run.error}
+                return {"status": "error", "message": run.error, "class": run.error_class}
             try:
                 result = await self._collective(run, epoch)
             except Exception as exc:  # the run is numbered and output tasks wait for it: never leave it open

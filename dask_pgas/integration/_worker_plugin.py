@@ -103,6 +103,15 @@ def public_error_name(exc: BaseException) -> str | None:
     return None
 
 
+def _agreed_failure(control: Any, errors: list[tuple[int, str]], local_class: str | None) -> _RunError:
+    """Collective (every PE is at the same failed agreement): one more exchange, of the failing PEs' classes
+    (:func:`public_error_name`), so that every PE raises the same error, of their class when they agree."""
+    gathered = control.allgather(local_class)
+    classes = {gathered[r] for r, _ in errors}
+    return agreed_error_class(classes.pop() if len(classes) == 1 else None)(
+        "; ".join(f"PE {r}: {e}" for r, e in errors))
+
+
 def agreed_error_class(name: str | None) -> type[_RunError]:
     """The class of a run failure whose failing PEs all raised the exception class called ``name``: a subclass
     of that class (one of :mod:`dask_pgas.errors` or a builtin exception) and of :class:`_RunError`, named
@@ -801,7 +810,7 @@ class PGASWorkerPlugin(WorkerPlugin):
             raise PGASWorldError(self.broken)
         engines = [runtime.get_engine(b) for b in runtime.initialized_backends()]
         control = engines[0].control
-        local_error, cfg = None, {}
+        local_error, local_class, cfg = None, None, {}
         if dropped:
             local_error = f"{name} was released (cancelled) before its collective ran on PE {self.pe}"
         elif staged is None:
@@ -811,14 +820,14 @@ class PGASWorkerPlugin(WorkerPlugin):
                 # whose value is bad must not raise after it)
                 cfg = {key: setting(key) for key in _RUN_KEYS}
             except ValueError as exc:
-                local_error = f"{exc} (on {self.worker.address})"
+                local_error, local_class = f"{exc} (on {self.worker.address})", public_error_name(exc)
         # Symmetric buffers grow collectively from the spec, so with such an engine in the world every rank
         # first agrees that it holds the spec; otherwise one agreement after the local preparation suffices.
         # (The same choice everywhere: it depends on the world, not on this run.)
         buffers = None
         if any(e.requires_symmetric_operands for e in engines):
             if errors := control.agree(local_error):
-                raise _RunError("; ".join(f"PE {r}: {e}" for r, e in errors))
+                raise _agreed_failure(control, errors, local_class)
             try:  # plans are freed collectively there, and buffers grow collectively: the PEs' values must agree
                 # (the output pool and the output tasks' backstop are local: those may differ)
                 control.agree(None, same=("pgas config", (cfg["plan-cache-size"], cfg["buffer-growth"])))
@@ -839,7 +848,7 @@ class PGASWorkerPlugin(WorkerPlugin):
                     "before they start) or more free GPU memory"
                 ) from exc
         t0 = time.perf_counter()
-        key = plan = src = dst = local_class = None
+        key = plan = src = dst = None
         new = False
         if local_error is None:
             # Local work: a failure here (a chunk of the wrong dtype, no memory) is agreed on below, so no PE
@@ -852,13 +861,10 @@ class PGASWorkerPlugin(WorkerPlugin):
             except Exception as exc:
                 local_error, local_class = f"{type(exc).__name__}: {exc}", public_error_name(exc)
         if errors := control.agree(local_error):
-            # (every PE is here: one more exchange, of the failing PEs' classes, so that all raise the same one)
-            gathered = control.allgather(local_class)
-            classes = {gathered[r] for r, _ in errors}
+            failure = _agreed_failure(control, errors, local_class)
             if new:  # never cached. Every PE has built it (an NVSHMEM plan is built collectively, or fails on
                 plan.free()  # every PE), so a collective free is met everywhere; an MPI plan's free is local
-            raise agreed_error_class(classes.pop() if len(classes) == 1 else None)(
-                "; ".join(f"PE {r}: {e}" for r, e in errors))
+            raise failure
         self._keep(key, plan, cfg["plan-cache-size"])
         # -- the one collective
         t1 = time.perf_counter()

@@ -5,6 +5,7 @@ Each test failed on a mutant of the engine that the other CPU tests let through 
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import types
 
 import numpy as np
@@ -141,6 +142,119 @@ def test_misaligned_operand_without_peer_access_is_refused(monkeypatch):
     with pytest.raises(UnsupportedOperandError, match="8 bytes past a 16-byte boundary"):
         plan._run(0x1008, 0x2000, 0, True, 8)
     assert log == []
+
+
+class _Heaps:
+    """One fake symmetric heap (host bytes) per PE, at different addresses; ``ptr`` maps an address of one PE's
+    heap to the same place of another's, as nvshmem_ptr does."""
+
+    def __init__(self, npes, nbytes=256):
+        self.heaps = [np.zeros(nbytes, np.uint8) for _ in range(npes)]
+        self.me = 0
+
+    def base(self, pe):
+        return self.heaps[pe].ctypes.data
+
+    def ptr(self, p, pe):
+        assert 0 <= p - self.base(self.me) < self.heaps[self.me].nbytes, "not an address of this PE's heap"
+        return self.base(pe) + (p - self.base(self.me))
+
+    def view(self, p, shape, itemsize, device, owner=None):
+        for heap in self.heaps:
+            if 0 <= p - heap.ctypes.data < heap.nbytes:
+                start = p - heap.ctypes.data
+                return heap[start: start + int(np.prod(shape)) * itemsize].view(f"V{itemsize}").reshape(shape)
+        raise AssertionError(f"{p:#x} is in no heap")
+
+    def sync_all_on_stream(self, stream):
+        pass
+
+
+def test_peer_copies_address_peers_through_the_output_block(monkeypatch):
+    """The peer path pushes each piece into its PE's output block, which every PE has at the same place; a PE
+    whose input is empty may pass a view anywhere (its position is never compared), and a pull through that
+    pointer read the wrong bytes (a[0:0] where the others passed a[1:])."""
+    import contextlib
+
+    from dask_pgas.engines import nvshmem as eng_mod
+
+    npes, item = 3, 8
+    fake = _Heaps(npes)
+    monkeypatch.setattr(eng_mod, "_word_view", fake.view)
+    monkeypatch.setattr(eng_mod, "_StreamContext", lambda stream, device: contextlib.nullcontext())
+    monkeypatch.setattr(eng_mod, "_copy", lambda dst, src: dst.__setitem__(Ellipsis, src))
+    glob = np.arange(100.0, 108.0)
+    ins = (Box((0,), (5,)), Box((0,), (0,)), Box((5,), (8,)))  # PE 1 holds nothing
+    outs = (Box((0,), (2,)), Box((2,), (6,)), Box((6,), (8,)))
+    src_at, dst_at = 8, 128  # operands one float64 into their allocation (heap offset 0); results at 128
+    for pe in range(npes):
+        heap = fake.heaps[pe].view(np.float64)
+        heap[:] = -1.0
+        heap[1: 1 + ins[pe].size] = glob[ins[pe].lower[0]: ins[pe].upper[0]]
+    for pe in range(npes):  # each PE's part, in turn (the syncs around it are no-ops here)
+        fake.me = pe
+        plan = object.__new__(eng_mod.NVSHMEMReshapePlan)
+        plan.spec = ReshapeSpec(ins, outs, np.dtype("f8"), "C", pe)
+        plan.engine = types.SimpleNamespace(nv=fake, device=0)
+        src = fake.base(pe) + (0 if ins[pe].is_empty else src_at)  # PE 1: a[0:0], not a[1:1]
+        plan._run_peer(src, fake.base(pe) + dst_at, 0)
+    for pe in range(npes):
+        got = fake.heaps[pe].view(np.float64)[dst_at // item: dst_at // item + outs[pe].size]
+        assert np.array_equal(got, glob[outs[pe].lower[0]: outs[pe].upper[0]]), (pe, got)
+
+
+def test_control_plane_calls_run_in_the_engine_context():
+    """The NVSHMEM control plane (Reshape's agreements, the Dask plugin's exchanges) calls nvshmem_barrier_all,
+    malloc and free from whatever thread the caller runs on: inside drv.current(), as the engine's calls."""
+    from dask_pgas.engines.nvshmem import NVSHMEMControl
+
+    state = {"in": False}
+    calls = []
+
+    class _Ctx:
+        def __enter__(self):
+            state["in"] = True
+
+        def __exit__(self, *exc):
+            state["in"] = False
+
+    class _NV:
+        def my_pe(self):
+            return 0
+
+        def n_pes(self):
+            return 1
+
+        def malloc(self, n):
+            calls.append(("malloc", state["in"]))
+            return 4096
+
+        def barrier_all(self):
+            calls.append(("barrier_all", state["in"]))
+
+        def free(self, p):
+            calls.append(("free", state["in"]))
+
+    class _Drv:
+        current = _Ctx
+
+        def __init__(self):
+            self.mem = {}
+
+        def memcpy(self, dst, src, n):
+            pass
+
+        def stream_synchronize(self, s):
+            pass
+
+    control = NVSHMEMControl(_NV(), _Drv(), capacity=64)
+    calls.clear()
+    payload = pickle.dumps(1)
+    control._read = lambda pe, n: len(payload).to_bytes(8, "little") + (payload if n > 8 else b"")  # (host bytes)
+    control.allgather(1)
+    control.barrier()
+    control.free()
+    assert calls and all(inside for _, inside in calls), calls
 
 
 def test_host_copy_mode_with_empty_boxes_of_different_shapes(monkeypatch):

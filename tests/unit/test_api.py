@@ -716,3 +716,39 @@ def test_freeing_an_array_not_on_the_heap_is_also_a_type_error(self_world):
         with pytest.raises(errors.NotSymmetricMemoryError) as info:
             dask_pgas.free_symmetric_memory(other)
         assert isinstance(info.value, TypeError) and isinstance(info.value, errors.SymmetricMemoryError)
+
+
+def test_operand_offsets_are_checked_before_the_result_is_allocated(self_world, monkeypatch):
+    """A plan that cannot move its symmetric operand at the agreed offset (cuFFTMp's words off their boundary,
+    with no peer copies to fall back on) refuses before execute()'s agreement: no result is allocated, so none
+    leaks. An operand given by reset_operand_unchecked() is never compared across ranks: one whose offset would
+    take another path than the agreed one (the plan moves 16-byte words here) is refused, on every rank; one
+    that differs by whole words runs."""
+    from dask_pgas.engines import mpi as mpi_engine
+
+    a = dask_pgas.allocate_symmetric_memory((8,), np)
+    a[:] = np.arange(8.0)
+    box = dask_pgas.Box((0,), (4,))
+    try:
+        with dask_pgas.Reshape(a[0:4], box, box) as r:
+            r.plan()
+            assert r._offset == 0
+            monkeypatch.setattr(mpi_engine.MPIReshapePlan, "operand_alignment", 16, raising=False)
+            r.reset_operand_unchecked(a[1:5])
+            with pytest.raises(errors.SymmetricMemoryError, match="starts 8 bytes into its allocation"):
+                r.execute()
+            r.reset_operand_unchecked(a[2:6])  # 16 bytes in: the same path
+            out = r.execute()
+            assert np.array_equal(out, np.arange(2.0, 6.0))
+            dask_pgas.free_symmetric_memory(out)
+
+            def refuse(self, offset):
+                raise errors.UnsupportedOperandError(f"not at {offset}")
+
+            monkeypatch.setattr(mpi_engine.MPIReshapePlan, "refuse_offset", refuse)
+            before = dask_pgas.heap_usage()["allocations"]
+            with pytest.raises(errors.UnsupportedOperandError, match="rank 0: not at 0"):
+                r.execute()
+            assert dask_pgas.heap_usage()["allocations"] == before
+    finally:
+        dask_pgas.free_symmetric_memory(a)

@@ -347,12 +347,13 @@ def main():
 
     check("symmetric-positions-agreed", symmetric_positions_agreed)
 
-    def misaligned_reshape(n, ins, outs, mine, empty_here=False, plan_check=None):
-        # a reshape of a view 8 bytes into its allocation (the same offset on every rank), of [-1, mine...]
+    def misaligned_reshape(n, ins, outs, mine, empty_here=None, plan_check=None):
+        # a reshape of a view 8 bytes into its allocation (the same offset on every rank), of [-1, mine...];
+        # empty_here: the empty view this rank passes instead (its place is never compared)
         g = np.arange(n, dtype=np.float64)
         a = sym(np.concatenate([[-1.0], mine(g)]))
         try:
-            with Reshape(a[1:1] if empty_here else a[1:], ins[RANK], outs[RANK]) as r:
+            with Reshape(a[1:] if empty_here is None else empty_here(a), ins[RANK], outs[RANK]) as r:
                 r.plan()
                 assert r._offset == 8, r._offset
                 if plan_check is not None:
@@ -390,10 +391,48 @@ def main():
         ins = [Box((0,), (0,))] + [Box((4 * (r - 1),), (4 * r,)) for r in range(1, SIZE)]
         bounds = [0] + [4 * r - 2 for r in range(1, SIZE)] + [n]
         outs = [Box((bounds[r],), (bounds[r + 1],)) for r in range(SIZE)]
-        misaligned_reshape(n, ins, outs, lambda g: g[4 * (RANK - 1): 4 * RANK] if RANK else np.zeros(4),
-                           empty_here=RANK == 0)
+        # rank 0's empty view at the others' offset, at the allocation's start, and at its end: the peer copies
+        # address the peers through the output block, never through rank 0's pointer (they pulled through it)
+        for empty in (lambda a: a[1:1], lambda a: a[0:0], lambda a: a[5:5]):
+            misaligned_reshape(n, ins, outs, lambda g: g[4 * (RANK - 1): 4 * RANK] if RANK else np.zeros(4),
+                               empty_here=empty if RANK == 0 else None)
 
     check("misaligned-view-with-an-empty-rank", misaligned_view_with_an_empty_rank)
+
+    def unchecked_reset_to_another_offset():
+        # reset_operand_unchecked() compares nothing across ranks: an operand whose offset would take another path
+        # than the plan's agreed one (cuFFTMp's 16-byte words, 8 bytes off) raises on every rank; reset_operand()
+        # agrees on the new offset, and the reshape then takes the peer copies
+        if SIZE < 2:
+            return
+        n = 4 * SIZE
+        ins = [Box((4 * r,), (4 * r + 4,)) for r in range(SIZE)]
+        outs = [Box((max(4 * r - 2, 0),), (4 * r + 2 if r < SIZE - 1 else n,)) for r in range(SIZE)]
+        g = np.arange(n, dtype=np.float64)
+        mine = g[4 * RANK: 4 * RANK + 4]
+        a = sym(np.concatenate([mine, [-1.0, -1.0]]))
+        b = sym(np.concatenate([[-1.0], mine, [-1.0]]))
+        try:
+            with Reshape(a[:4], ins[RANK], outs[RANK]) as r:
+                r.plan()
+                assert r._plan.mode == "cufftmp" and r._plan.operand_alignment == 16, r._plan.mode
+                r.reset_operand_unchecked(b[1:5])
+                try:
+                    r.execute()
+                except errors.SymmetricMemoryError as exc:
+                    assert "reset_operand_unchecked()" in str(exc), exc
+                else:
+                    raise AssertionError("an unchecked operand 8 bytes off did not raise")
+                r.reset_operand(b[1:5])
+                assert r._offset == 8, r._offset
+                out = r.execute()
+                cp.cuda.Device().synchronize()
+                assert np.array_equal(cp.asnumpy(out), piece(g, outs[RANK])), cp.asnumpy(out)
+                dask_pgas.free_symmetric_memory(out)
+        finally:
+            dask_pgas.free_symmetric_memory(a, b)
+
+    check("unchecked-reset-to-another-offset", unchecked_reset_to_another_offset)
 
     def streams_as_nvmath():
         # execute() without a stream runs on the package's current stream at that call (as nvmath), not on the
