@@ -199,8 +199,9 @@ def initialize(
         process_group: an :class:`~dask_pgas.process_group.MPIProcessGroup` (as nvmath 0.9 and 1.0 take) or an
             mpi4py communicator (default ``MPI.COMM_WORLD``); the runtime works on a duplicate.
         communicator: the same, by the name nvmath's earlier releases gave it (give one of the two).
-        backends: backends to start, from ``"mpi"`` and ``"nvshmem"``. Default: ``["nvshmem"]`` when a GPU and
-            the NVSHMEM/cuFFTMp libraries are present on every rank, else ``["mpi"]``. ``"nccl"`` (which nvmath's
+        backends: backends to start, from ``"mpi"`` and ``"nvshmem"``. Default: the environment variable
+            ``DASK_PGAS_BACKEND`` (a name, or names separated by commas) where it is set; else ``["nvshmem"]``
+            when a GPU and the NVSHMEM/cuFFTMp libraries are present on every rank, else ``["mpi"]``. ``"nccl"`` (which nvmath's
             examples pass for its distributed matmul) is accepted and ignored, with a warning.
 
     Every rank's request is checked locally, then the ranks exchange their findings once (one allgather) and
@@ -212,8 +213,8 @@ def initialize(
         BackendUnavailableError: different backends on different ranks, or a backend that cannot run here (on
             any rank); says which rank and what is missing. An unknown or empty ``backends`` raises its
             subclass :class:`UnknownBackendError`, also a ``ValueError`` (as nvmath's).
-        TypeError: ``backends`` is not a sequence of names, or both ``process_group`` and ``communicator`` are
-            given (on any rank); the group is not an MPI one (local: without a communicator there is nothing to
+        TypeError: ``backends`` is not a sequence of names, or ``process_group`` and ``communicator`` are two
+            different objects (on any rank); the group is not an MPI one (local: without a communicator there is nothing to
             agree over).
     """
     global _owner_pid, _communicator, _device_id
@@ -314,10 +315,13 @@ def finalize() -> None:
 
 
 def is_initialized() -> bool:
+    """Whether this process has an initialized runtime (:func:`initialize` ran here, not in a parent before a
+    fork, and :func:`finalize` has not). Local, not collective."""
     return bool(_engines) and _owner_pid == os.getpid()
 
 
 def initialized_backends() -> tuple[str, ...]:
+    """The backends the initialized runtime runs, e.g. ``("mpi",)``; empty before :func:`initialize`. Local."""
     return tuple(_engines)
 
 

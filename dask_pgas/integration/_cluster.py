@@ -286,8 +286,8 @@ class LocalMPICluster:
             without a dashboard on any free port of 127.0.0.1.)
 
     Not a ``distributed.deploy.Cluster``: besides ``Client(cluster)`` it offers ``scheduler_address``,
-    ``dashboard_link``, ``get_client()``, ``wait_for_workers()``, ``get_logs()`` / ``logs()``, ``close()``,
-    ``world``, and ``scale``/``adapt`` only to refuse another size.
+    ``dashboard_link``, ``get_client()``, ``wait_for_workers()``, ``get_logs()`` / ``logs()``, ``worker_pids()``,
+    ``close()``, ``world``, and ``scale``/``adapt`` only to refuse another size.
     """
 
     def __init__(
