@@ -99,6 +99,41 @@ def output(name: str, pe: int, epoch: int, npes: int, box_slices: tuple, whole: 
     return get_plugin().take(name, pe, epoch, npes, box_slices, whole, run)
 
 
+#: the task functions whose first argument is the run's name (its keys are named after it too)
+_NAMED = (transfer, barrier, output)
+
+
+def _key_name(key: Any) -> str:
+    return key[0] if isinstance(key, tuple) else str(key)
+
+
+def unwrapped(run_spec: Any) -> _Unfused | None:
+    """The task of this module inside the wrapper that dask's ``ProhibitReuse`` puts around every task of a
+    collection passed positionally to ``dask.delayed(f)(y)`` (``Task(key + suffix, _identity, task)``, the inner
+    task's own key unchanged), else None."""
+    try:
+        from dask._expr import ProhibitReuse
+    except ImportError:  # older dask: no such wrapper
+        return None
+    if (type(run_spec) is Task and run_spec.func is ProhibitReuse._identity and len(run_spec.args) == 1
+            and not run_spec.kwargs and isinstance(run_spec.args[0], _Unfused)):
+        return run_spec.args[0]
+    return None
+
+
+def rekeyed(task: _Unfused, key: Any) -> _Unfused:
+    """``task`` as the task of ``key``, its own key with a suffix (see :func:`unwrapped`). A run's name in its
+    tasks' arguments gets the same suffix: the scheduler names a run after its tasks' keys, the workers after
+    those arguments, and they must agree (a suffixed graph computed beside the original runs on its own)."""
+    suffix = _key_name(key)[len(_key_name(task.key)):]
+    args = task.args
+    if task.func in _NAMED:
+        args = (args[0] + suffix, *args[1:])
+    if isinstance(task, PinnedTask):
+        return PinnedTask(key, task.func, *args, pe=task.pe, epoch=task.epoch, npes=task.npes, **task.kwargs)
+    return type(task)(key, task.func, *args, **task.kwargs)
+
+
 def assemble(pe: int, epoch: int, npes: int, shape: tuple, dtype: Any, package: str, pieces: tuple,
              *arrays: Any) -> Any:
     """On PE ``pe``: an output chunk of the array's ``dtype`` (an ``np.dtype``: ``dtype.str`` loses a struct's

@@ -610,10 +610,14 @@ class PGASSchedulerPlugin(SchedulerPlugin):
 
     # ---------------------------------------------------------------- scheduler hooks
     def update_graph(self, scheduler, *, tasks=(), **kwargs) -> None:
-        from ._graph import BarrierTask, PieceTask, PinnedTask
+        from ._graph import BarrierTask, PieceTask, PinnedTask, rekeyed, unwrapped
 
         for key in tasks:
             ts = scheduler.tasks.get(key)
+            if ts is not None and (inner := unwrapped(ts.run_spec)) is not None:
+                # dask.delayed(f)(y) renamed y's tasks and wrapped each in a plain task: unwrapped, the pinning
+                # below sees them, and the run takes the renamed keys' name on the workers too
+                ts.run_spec = rekeyed(inner, key)
             if ts is not None and isinstance(ts.run_spec, BarrierTask):
                 self._barriers.add(key)
                 if self.world and not self.broken:

@@ -481,6 +481,28 @@ def _bookkeeping(client) -> dict:
     return {where: {k: n for k, n in counts.items() if n} for where, counts in held.items()}
 
 
+def test_a_rechunk_passed_to_delayed_runs_its_collective(client, collective_plans):
+    """``dask.delayed(f)(y)`` renames every task of y's graph and wraps each in a plain task (dask's
+    ``ProhibitReuse``): the pinned tasks lost their pinning, and the renamed barrier was never recognised, so the
+    run failed and left its staged inputs on the workers. Unwrapped by the scheduler plugin, the renamed graph
+    runs its own collective, also beside the original's in one compute, and leaves nothing behind."""
+    import time
+
+    ref = _reference((24, 30), "float64")
+    x = on_device(da.from_array(ref, chunks=(5, 7)))
+    y = dask_pgas.rechunk(x, (8, 10))
+    assert float(dask.delayed(lambda a: float(a.sum()))(y).compute()) == ref.sum()
+    assert float(dask.delayed(lambda a: float(a[:5, 3:].sum()))(y[:5]).compute()) == ref[:5, 3:].sum()
+    whole, total = dask.compute(y, dask.delayed(lambda a: float(a.sum()))(y))
+    np.testing.assert_array_equal(host(whole), ref)
+    assert total == ref.sum()
+    del whole
+    deadline = time.monotonic() + 30
+    while (held := _bookkeeping(client)) != {"scheduler": {}, **{w: {} for w in client.run(lambda: 0)}}:
+        assert time.monotonic() < deadline, held
+        time.sleep(0.1)
+
+
 def test_random_rechunks_cancels_and_chains_from_threads_leave_nothing_behind(client):
     """Three threads mix rechunks of persisted and lazy inputs, cancels followed by a recompute, chains of two
     rechunks, persists and runs through the collective; every result equals NumPy, and once all is released
