@@ -201,8 +201,9 @@ def initialize(
         communicator: the same, by the name nvmath's earlier releases gave it (give one of the two).
         backends: backends to start, from ``"mpi"`` and ``"nvshmem"``. Default: the environment variable
             ``DASK_PGAS_BACKEND`` (a name, or names separated by commas) where it is set; else ``["nvshmem"]``
-            when a GPU and the NVSHMEM/cuFFTMp libraries are present on every rank, else ``["mpi"]``. ``"nccl"`` (which nvmath's
-            examples pass for its distributed matmul) is accepted and ignored, with a warning.
+            when a GPU and the NVSHMEM/cuFFTMp libraries are present on every rank, else ``["mpi"]``.
+            ``"nccl"`` (which nvmath's examples pass for its distributed matmul) is accepted and ignored, with a
+            warning.
 
     Every rank's request is checked locally, then the ranks exchange their findings once (one allgather) and
     all raise the same exception or none does: a bad ``backends`` value on one rank, or different backends on
@@ -214,8 +215,8 @@ def initialize(
             any rank); says which rank and what is missing. An unknown or empty ``backends`` raises its
             subclass :class:`UnknownBackendError`, also a ``ValueError`` (as nvmath's).
         TypeError: ``backends`` is not a sequence of names, or ``process_group`` and ``communicator`` are two
-            different objects (on any rank); the group is not an MPI one (local: without a communicator there is nothing to
-            agree over).
+            different objects (on any rank); the group is not an MPI one (local: without a communicator there is
+            nothing to agree over).
     """
     global _owner_pid, _communicator, _device_id
     group = process_group if process_group is not None else communicator
