@@ -715,7 +715,15 @@ class PGASWorkerPlugin(WorkerPlugin):
         if current is not None:
             del self._buffers[kind]
             free_symmetric_memory(current)
-        self._buffers[kind] = buf = allocate_symmetric_memory((size,), package, dtype="uint8")
+        try:
+            buf = allocate_symmetric_memory((size,), package, dtype="uint8")
+        except MemoryError:
+            # the heap's cap or the GPUs' free memory refused the grown size, on every PE alike (both are agreed
+            # decisions): the exact need may still fit, and every PE asks for it
+            if size <= max(nbytes, 1):
+                raise
+            buf = allocate_symmetric_memory((max(nbytes, 1),), package, dtype="uint8")
+        self._buffers[kind] = buf
         return buf
 
     def _trim(self) -> int:
@@ -874,7 +882,17 @@ class PGASWorkerPlugin(WorkerPlugin):
         # collective has ended on every PE: a failure of this local copy (no GPU memory left for the result)
         # fails this PE's part of the rechunk, not the world.
         try:
-            result = dst.copy() if buffers else dst
+            result = dst
+            if buffers:
+                result = dst.copy()
+                # the copy (and the exchange before it) are stream-ordered; the output tasks read the result from
+                # other threads, whose streams (CuPy's per-thread default stream, a non-blocking one) need not
+                # follow this one: the result is complete before the run is reported done
+                synchronize = getattr(plan, "synchronize", None)
+                if synchronize is not None:
+                    synchronize()
+        except DeviceError:  # (agreed at the next collective step: fatal there on every PE)
+            raise
         except Exception as exc:
             raise _RunError(
                 f"the result could not be copied out of the symmetric buffer ({type(exc).__name__}: {exc}); free "

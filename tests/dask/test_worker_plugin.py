@@ -377,3 +377,34 @@ def test_the_class_a_failing_pe_reports_is_public_and_exact():
     assert public_error_name(TimeoutError()) == "OSError"
     assert public_error_name(ValueErrorLookAlike()) is None
     assert public_error_name(RuntimeError()) is None  # (a base of the run's own error: nothing to add)
+
+
+def test_buffers_grow_to_the_exact_need_when_the_grown_size_is_refused(plugin, monkeypatch):
+    """``pgas.buffer-growth`` asks for more than the run needs; where the heap's cap (or the GPUs' free memory)
+    refuses that size on every PE alike, every PE asks for the exact need instead of failing a rechunk that
+    fits. (Limit 1000 bytes, buffers of 440 each, a run that needs 450 each: 1.25 x 440 = 550 twice would not
+    fit, 450 twice does.)"""
+    from dask_pgas import memory
+
+    held, limit = {}, 1000
+
+    def allocate(shape, package, dtype):
+        n = shape[0]
+        if sum(held.values()) + n > limit:
+            raise MemoryError(f"the symmetric heap cannot take {n} more bytes")
+        a = np.zeros(n, np.uint8)
+        held[id(a)] = n
+        return a
+
+    def free(a):
+        del held[id(a)]
+
+    monkeypatch.setattr(memory, "allocate_symmetric_memory", allocate)
+    monkeypatch.setattr(memory, "free_symmetric_memory", free)
+    for kind in ("in", "out"):
+        plugin._buffer(kind, 440, "cupy", 1.25)
+    grown = [plugin._buffer(kind, 450, "cupy", 1.25) for kind in ("in", "out")]
+    assert [b.nbytes for b in grown] == [550, 450]  # the first grew as configured; the second to the need
+    with pytest.raises(MemoryError):  # a need that does not fit still fails, as before
+        plugin._buffer("out", 600, "cupy", 1.25)
+    plugin._buffers.clear()

@@ -779,6 +779,28 @@ def copy_out_fails_on_one_rank():
         assert type(result) is np.ndarray and result.shape == row().box_shape, (type(result), result.shape)
 
 
+def result_synchronized_before_the_run_ends():
+    """The result is copied out of the staging buffer on the collective thread's stream, and the output tasks read
+    it from other threads (streams that need not follow that one): the run reports it only after a synchronize
+    that comes after the copy."""
+    log = []
+
+    class _Logged(np.ndarray):
+        def copy(self, *args, **kwargs):
+            log.append("copy")
+            return np.asarray(self).copy(*args, **kwargs)
+
+    DRV.stream_synchronize = lambda stream: log.append("sync")
+    try:
+        with stand_in_plugin(lambda allocation, shape, dtype, package, order="C": np.zeros(shape, dtype).view(_Logged)
+                             ) as plugin:
+            stage_and_run(plugin, run_spec("float64"))
+        assert "copy" in log and "sync" in log[log.index("copy"):], log
+    finally:
+        del DRV.stream_synchronize
+
+
+case("plugin: the result is synchronized before the run ends", result_synchronized_before_the_run_ends)
 case("plugin: staging buffers cannot grow, heap full on every PE", lambda: plugin_run(False))
 case("plugin: no leak after the failed growth", no_leak)
 case("plugin: heap full when grown buffers must grow again", lambda: plugin_run(True))
