@@ -535,6 +535,40 @@ def test_unique_id_that_cannot_be_made_fails_bootstrap_clearly(monkeypatch):
     assert inits == []
 
 
+def test_unique_id_bootstrap_refuses_while_survivors_hold_a_world_that_lost_a_member(monkeypatch):
+    """A member of a unique-id world (dask-cuda, LocalCluster GPU workers) died and a new worker took its place:
+    the survivors still hold the broken world, which cannot be torn down collectively, and would refuse init,
+    while the new worker waited in NVSHMEM's unique-id init (no agreement precedes it) until the bootstrap
+    timeout, and stayed inside it. Bootstrap now refuses before any worker starts NVSHMEM, saying to restart
+    them. NVSHMEM is a stand-in; the survivors' runtime is marked initialized."""
+    from distributed import Client, LocalCluster, Worker
+
+    from dask_pgas import runtime
+
+    inits = []
+    monkeypatch.setattr(dask_pgas, "get_nvshmem_uniqueid", lambda device_id=None, *, single_node=None: b"u" * 128)
+    monkeypatch.setattr(dask_pgas, "initialize_from_uniqueid", lambda *args, **kwargs: inits.append(args[1:3]))
+    _as_separate_processes(monkeypatch)
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        world = dask_pgas.bootstrap(client, backends=["nvshmem"])
+        assert world.npes == 3 and len(inits) == 3
+        monkeypatch.setattr(runtime, "is_initialized", lambda: True)  # (the stand-in initialized nothing)
+        gone = world.workers[1]
+        client.sync(next(w for w in cluster.workers.values() if w.address == gone).close)
+        assert "left the PGAS world" in str(dask_pgas.world(client).broken)
+        new = client.sync(Worker, cluster.scheduler_address, nthreads=1, dashboard=False)
+        try:
+            client.wait_for_workers(3)
+            inits.clear()
+            with pytest.raises(PGASWorldError, match=r"still hold PGAS world #1, which cannot be torn down.*"
+                                                     r"restart them"):
+                dask_pgas.bootstrap(client, backends=["nvshmem"])
+            assert inits == []  # no worker entered NVSHMEM's init
+        finally:
+            client.sync(new.close)
+
+
 def test_workers_sharing_a_gpu_they_did_not_choose_get_a_warning(monkeypatch):
     """Two workers of one host whose PEs landed on the same GPU while each sees four (no per-worker
     CUDA_VISIBLE_DEVICES): bootstrap succeeds and warns, saying how to give each worker its GPU. NVSHMEM and
