@@ -703,28 +703,32 @@ class PGASWorkerPlugin(WorkerPlugin):
         if error is not None:
             raise error
 
-    def _buffer(self, kind: str, nbytes: int, package: str, growth: float) -> Any:
-        """Symmetric byte buffer of at least ``nbytes``, at least ``growth`` times the current one when it grows
-        (collective then: same decision everywhere)."""
+    def _buffers_of(self, needs: dict[str, int], package: str, growth: float) -> list[Any]:
+        """Symmetric byte buffers of at least ``needs[kind]`` bytes each; one that grows takes at least ``growth``
+        times its current size (collective then: the same decision everywhere). Every buffer that must grow is
+        freed before any is allocated, so the heap never holds an old buffer beside a new one (fewer holes in
+        NVSHMEM's heap, whose cap counts its extent)."""
         from ..memory import allocate_symmetric_memory, free_symmetric_memory
 
-        current = self._buffers.get(kind)
-        if current is not None and current.nbytes >= nbytes:
-            return current
-        size = max(nbytes, int((current.nbytes if current is not None else 0) * growth), 1)
-        if current is not None:
-            del self._buffers[kind]
-            free_symmetric_memory(current)
-        try:
-            buf = allocate_symmetric_memory((size,), package, dtype="uint8")
-        except MemoryError:
-            # the heap's cap or the GPUs' free memory refused the grown size, on every PE alike (both are agreed
-            # decisions): the exact need may still fit, and every PE asks for it
-            if size <= max(nbytes, 1):
-                raise
-            buf = allocate_symmetric_memory((max(nbytes, 1),), package, dtype="uint8")
-        self._buffers[kind] = buf
-        return buf
+        sizes = {}
+        for kind, nbytes in needs.items():
+            current = self._buffers.get(kind)
+            if current is None or current.nbytes < nbytes:
+                sizes[kind] = max(nbytes, int((current.nbytes if current is not None else 0) * growth), 1)
+        for kind in sizes:
+            if (current := self._buffers.pop(kind, None)) is not None:
+                free_symmetric_memory(current)
+        for kind, size in sizes.items():
+            need = max(needs[kind], 1)
+            try:
+                self._buffers[kind] = allocate_symmetric_memory((size,), package, dtype="uint8")
+            except MemoryError:
+                # the heap's cap or the GPUs' free memory refused the grown size, on every PE alike (both are
+                # agreed decisions): the exact need may still fit, and every PE asks for it
+                if size <= need:
+                    raise
+                self._buffers[kind] = allocate_symmetric_memory((need,), package, dtype="uint8")
+        return [self._buffers[kind] for kind in needs]
 
     def _trim(self) -> int:
         """When the worker is paused, or its process memory is past Dask's spill threshold, give back the memory
@@ -914,8 +918,9 @@ class PGASWorkerPlugin(WorkerPlugin):
         if not engine.requires_symmetric_operands:
             return None
         item = np.dtype(spec.dtype).itemsize
-        return (self._buffer("in", max(b.size for b in spec.input_boxes) * item, engine.packages[0], growth),
-                self._buffer("out", max(b.size for b in spec.output_boxes) * item, engine.packages[0], growth))
+        needs = {"in": max(b.size for b in spec.input_boxes) * item,
+                 "out": max(b.size for b in spec.output_boxes) * item}
+        return tuple(self._buffers_of(needs, engine.packages[0], growth))
 
     def _prepare(self, spec: RunSpec, pieces: tuple, arrays: tuple, buffers: tuple | None) -> tuple[Any, Any]:
         """Local: this PE's input box packed from its chunk pieces (zero copy when one C-contiguous chunk is the

@@ -383,7 +383,7 @@ def test_buffers_grow_to_the_exact_need_when_the_grown_size_is_refused(plugin, m
     """``pgas.buffer-growth`` asks for more than the run needs; where the heap's cap (or the GPUs' free memory)
     refuses that size on every PE alike, every PE asks for the exact need instead of failing a rechunk that
     fits. (Limit 1000 bytes, buffers of 440 each, a run that needs 450 each: 1.25 x 440 = 550 twice would not
-    fit, 450 twice does.)"""
+    fit, 450 twice does.) Both old buffers are freed before either new one is allocated."""
     from dask_pgas import memory
 
     held, limit = {}, 1000
@@ -399,12 +399,21 @@ def test_buffers_grow_to_the_exact_need_when_the_grown_size_is_refused(plugin, m
     def free(a):
         del held[id(a)]
 
-    monkeypatch.setattr(memory, "allocate_symmetric_memory", allocate)
+    peak = [0]
+
+    def allocate_and_watch(shape, package, dtype):
+        a = allocate(shape, package, dtype)
+        peak[0] = max(peak[0], sum(held.values()))
+        return a
+
+    monkeypatch.setattr(memory, "allocate_symmetric_memory", allocate_and_watch)
     monkeypatch.setattr(memory, "free_symmetric_memory", free)
-    for kind in ("in", "out"):
-        plugin._buffer(kind, 440, "cupy", 1.25)
-    grown = [plugin._buffer(kind, 450, "cupy", 1.25) for kind in ("in", "out")]
+    plugin._buffers_of({"in": 440, "out": 440}, "cupy", 1.25)
+    peak[0] = 0
+    grown = plugin._buffers_of({"in": 450, "out": 450}, "cupy", 1.25)
     assert [b.nbytes for b in grown] == [550, 450]  # the first grew as configured; the second to the need
+    assert peak[0] == 1000  # never an old buffer beside a new one (550 + 440 before)
+    assert plugin._buffers_of({"in": 300, "out": 450}, "cupy", 1.25) == grown  # no growth: the same buffers
     with pytest.raises(MemoryError):  # a need that does not fit still fails, as before
-        plugin._buffer("out", 600, "cupy", 1.25)
+        plugin._buffers_of({"in": 450, "out": 600}, "cupy", 1.25)
     plugin._buffers.clear()
