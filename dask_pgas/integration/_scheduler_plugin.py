@@ -317,10 +317,11 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                     w, r = next(iter(errors.items()))
                     return {"status": "error", "message": f"the broken world #{self.epoch} could not be torn down "
                             f"on {w} ({r if isinstance(r, BaseException) else r['message']}); restart the cluster"}
-            held = [w for w in order if not torn_down and isinstance(infos.get(w), dict) and infos[w]["initialized"]]
+            held = [w for w in order if not torn_down and isinstance(infos.get(w), dict) and infos[w]["initialized"]
+                    and infos[w]["broken"]]
             if held and not mpi_world:
-                # such a worker refuses init (its old world cannot be torn down), and NVSHMEM's unique-id init has
-                # no agreement before it: the other workers would wait in it until the timeout, and stay inside
+                # such a worker refuses init (its broken world cannot be torn down), and NVSHMEM's unique-id init
+                # has no agreement before it: the other workers would wait in it until the timeout and stay inside
                 return {"status": "error", "message": f"workers {held} still hold PGAS world #{self.epoch}, which "
                         f"cannot be torn down collectively ({self.broken or 'it is not recoverable'}); restart them "
                         "(client.restart(), or restart the cluster), then bootstrap again"}
