@@ -19,6 +19,8 @@
 #             core suite (random layouts against NumPy) with CuPy, torch and NumPy at 2-4 PEs
 #   mps       gpu_checks, the CuPy core suite and the Dask suite at 2 and 4 PEs under MPS
 #   dask      the Dask suite on 1, 2 and 4 GPU workers and on 2 outside MPI (side by side), then the failure tests
+#   checks    gpu_checks alone, at 1, 2 and 4 PEs and at 3 with DASK_PGAS_EMPTY_VIA_PEER=1 (a short call, when
+#             little device time is left: the engine's own checks, peer copies included)
 #   dask4     the Dask suite on 4 GPU workers alone (a quick check after a change to the Dask layer)
 #   dask1     the same on 1 GPU worker
 #   failure   the Dask failure and launcher tests alone (tests/dask/test_failure.py, 3 GPU workers)
@@ -128,6 +130,14 @@ job_engine() {
     core_suite 2 torch-cpu 10 100 "$OUT/engine.log" ) &
   wait
   grep -h "passed\|failed" "$OUT/engine-pytest.log" | tail -2 >>"$S"
+}
+job_checks() {
+  for np_ in 1 2 4; do
+    step "gpu_checks np=$np_" 100 "$OUT/checks.log" $MPIRUN -n $np_ python3 tests/gpu/programs/gpu_checks.py
+  done
+  step "gpu_checks np=3 DASK_PGAS_EMPTY_VIA_PEER=1" 100 "$OUT/checks.log" \
+    env DASK_PGAS_EMPTY_VIA_PEER=1 $MPIRUN -n 3 python3 tests/gpu/programs/gpu_checks.py
+  grep -h "^FAIL\|Error" "$OUT/checks.log" | head -20 >>"$S" 2>/dev/null
 }
 job_mps() {
   mps_start
