@@ -748,9 +748,7 @@ class Reshape:
                            operand_offset=self._offset)
         self._remember(result)
         if blocks:
-            synchronize = getattr(self._plan, "synchronize", None)
-            if synchronize is not None:
-                synchronize(stream)
+            self._plan.synchronize(stream)
         self.logger.info("%s: execute() %s in %.3f ms", self._name, "ended" if blocks else "enqueued",
                          (time.perf_counter() - t0) * 1e3)
         return from_host_view(result, self._tensor_dtype) if self._host_tensor else result

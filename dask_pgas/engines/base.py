@@ -165,6 +165,11 @@ class ReshapePlan(ABC):
         The default refuses no offset."""
         return None
 
+    def synchronize(self, stream: Any = None) -> None:
+        """Wait until this plan's last ``execute`` (on ``stream``, else on the stream it ran on) is complete.
+        Local. An engine whose ``execute`` returns complete (MPI) has nothing to wait for."""
+        return None
+
     @abstractmethod
     def free(self) -> None:
         """Release the plan's resources (collective)."""

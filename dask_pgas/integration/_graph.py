@@ -38,6 +38,10 @@ class _Unfused(Task):
     def block_fusion(self) -> bool:
         return True
 
+    def rebuilt(self, key: Any, args: tuple) -> _Unfused:
+        """This task as ``key``'s, with ``args`` for its arguments (its type, function and keywords kept)."""
+        return type(self)(key, self.func, *args, **self.kwargs)
+
 
 class PinnedTask(_Unfused):
     """A task that must run on the worker of PE ``pe`` of PGAS world ``epoch`` (never fused away)."""
@@ -54,9 +58,11 @@ class PinnedTask(_Unfused):
         self.npes = npes
         super().__init__(key, func, *args, **kwargs)
 
+    def rebuilt(self, key: Any, args: tuple) -> PinnedTask:
+        return type(self)(key, self.func, *args, pe=self.pe, epoch=self.epoch, npes=self.npes, **self.kwargs)
+
     def copy(self):
-        return type(self)(self.key, self.func, *self.args, pe=self.pe, epoch=self.epoch, npes=self.npes,
-                          **self.kwargs)
+        return self.rebuilt(self.key, self.args)
 
     def __repr__(self) -> str:
         return f"PinnedTask({self.key!r}, pe={self.pe})"
@@ -90,7 +96,7 @@ def barrier(name: str, epoch: int, *transfers: int) -> int:
     worker = get_plugin().worker
     result = sync(worker.loop, worker.scheduler.pgas_barrier, name=name, epoch=epoch)
     if result["status"] != "OK":  # (a reason with a class of its own, a bad config value, raises as that too)
-        raise (agreed_error_class(result["class"]) if result.get("class") else CollectiveError)(result["message"])
+        raise (agreed_error_class(cls) if (cls := result.get("class")) else CollectiveError)(result["message"])
     return result["run"]
 
 
@@ -107,16 +113,20 @@ def _key_name(key: Any) -> str:
     return key[0] if isinstance(key, tuple) else str(key)
 
 
+try:  # the function of the wrapper that dask.delayed(f)(y) puts around every task of y (see unwrapped)
+    from dask._expr import ProhibitReuse
+
+    _REUSE_WRAPPER = ProhibitReuse._identity
+except (ImportError, AttributeError):  # older dask: no such wrapper
+    _REUSE_WRAPPER = None
+
+
 def unwrapped(run_spec: Any) -> _Unfused | None:
     """The task of this module inside the wrapper that dask's ``ProhibitReuse`` puts around every task of a
     collection passed positionally to ``dask.delayed(f)(y)`` (``Task(key + suffix, _identity, task)``, the inner
-    task's own key unchanged), else None."""
-    try:
-        from dask._expr import ProhibitReuse
-    except ImportError:  # older dask: no such wrapper
-        return None
-    if (type(run_spec) is Task and run_spec.func is ProhibitReuse._identity and len(run_spec.args) == 1
-            and not run_spec.kwargs and isinstance(run_spec.args[0], _Unfused)):
+    task's own key unchanged), else None. Called on every task the scheduler receives: cheap checks first."""
+    if (type(run_spec) is Task and _REUSE_WRAPPER is not None and run_spec.func is _REUSE_WRAPPER
+            and len(run_spec.args) == 1 and not run_spec.kwargs and isinstance(run_spec.args[0], _Unfused)):
         return run_spec.args[0]
     return None
 
@@ -129,9 +139,7 @@ def rekeyed(task: _Unfused, key: Any) -> _Unfused:
     args = task.args
     if task.func in _NAMED:
         args = (args[0] + suffix, *args[1:])
-    if isinstance(task, PinnedTask):
-        return PinnedTask(key, task.func, *args, pe=task.pe, epoch=task.epoch, npes=task.npes, **task.kwargs)
-    return type(task)(key, task.func, *args, **task.kwargs)
+    return task.rebuilt(key, args)
 
 
 def assemble(pe: int, epoch: int, npes: int, shape: tuple, dtype: Any, package: str, pieces: tuple,

@@ -307,9 +307,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             # A previous world is torn down collectively first (and ends before: no run may start on it): an intact
             # one, or a broken one whose members are all still here, none inside a collective (none is poisoned,
             # checked above). A broken world that lost a member cannot be: its members refuse init, saying so.
-            torn_down = False
             if self.world and (not self.broken or self._recoverable(infos)):
-                torn_down = True
                 old, forced, self.world = list(self.world), bool(self.broken), ()
                 res = await self._call(old, "pgas_teardown", timeout=timeout, force=forced)
                 errors = {w: r for w, r in res.items() if isinstance(r, BaseException) or r["status"] != "OK"}
@@ -317,9 +315,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                     w, r = next(iter(errors.items()))
                     return {"status": "error", "message": f"the broken world #{self.epoch} could not be torn down "
                             f"on {w} ({r if isinstance(r, BaseException) else r['message']}); restart the cluster"}
-            held = [w for w in order if not torn_down and isinstance(infos.get(w), dict) and infos[w]["initialized"]
-                    and infos[w]["broken"]]
-            if held and not mpi_world:
+            elif not mpi_world and (held := [w for w in order if infos[w]["initialized"] and infos[w]["broken"]]):
                 # such a worker refuses init (its broken world cannot be torn down), and NVSHMEM's unique-id init
                 # has no agreement before it: the other workers would wait in it until the timeout and stay inside
                 return {"status": "error", "message": f"workers {held} still hold PGAS world #{self.epoch}, which "

@@ -892,11 +892,7 @@ class PGASWorkerPlugin(WorkerPlugin):
                 # the copy (and the exchange before it) are stream-ordered; the output tasks read the result from
                 # other threads, whose streams (CuPy's per-thread default stream, a non-blocking one) need not
                 # follow this one: the result is complete before the run is reported done
-                synchronize = getattr(plan, "synchronize", None)
-                if synchronize is not None:
-                    synchronize()
-        except DeviceError:  # (agreed at the next collective step: fatal there on every PE)
-            raise
+                plan.synchronize()
         except Exception as exc:
             raise _RunError(
                 f"the result could not be copied out of the symmetric buffer ({type(exc).__name__}: {exc}); free "
