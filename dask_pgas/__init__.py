@@ -14,7 +14,7 @@ from . import _defaults as _defaults  # (registers the pgas.* Dask config defaul
 from . import distribution, errors, process_group, reshape
 from ._version import __version__
 from .distribution import Box, Slab
-from .engines.nvshmem import get_nvshmem_uniqueid, initialize_from_uniqueid
+from .engines.nvshmem import check_uniqueid_bring_up, get_nvshmem_uniqueid, initialize_from_uniqueid
 from .memory import allocate_symmetric_memory, free_symmetric_memory, heap_usage
 from .process_group import MPIProcessGroup, ProcessGroup
 from .reshape import Redistribute, RedistributeOptions, Reshape, ReshapeOptions
@@ -41,6 +41,7 @@ __all__ = [
     "__version__",
     "allocate_symmetric_memory",
     "available_backends",
+    "check_uniqueid_bring_up",
     "distribution",
     "errors",
     "finalize",

@@ -1135,6 +1135,38 @@ def get_nvshmem_uniqueid(device_id: int | None = None, *, single_node: bool | No
     return nvshmem.load().get_uniqueid()
 
 
+def check_uniqueid_bring_up(
+    rank: int, nranks: int, device_id: int | None = None, *, single_node: bool | None = None
+) -> int:
+    """The local steps of :func:`initialize_from_uniqueid`, without its collective init: raise here when this
+    process cannot take part (NVSHMEM already up or left up, no such device, the library does not load).
+
+    NVSHMEM's unique-id init has no agreement before it: a rank that fails alone leaves the others waiting inside
+    it. Call this on every rank, agree over the channel that carries the id, and only then initialize.
+    Returns the CUDA device the rank will use.
+    """
+    from .. import runtime
+    from ..bindings import nvshmem
+    from ..bindings.cuda import driver
+
+    if not 0 <= rank < nranks:
+        raise ValueError(f"rank {rank} is not in range({nranks})")
+    if NVSHMEMEngine.name in runtime.initialized_backends():  # before NVSHMEM is touched: nothing to undo
+        raise RuntimeStateError(
+            f"backend {NVSHMEMEngine.name!r} is already initialized; call finalize() first"
+        )
+    if _left_up_by:  # (a second init there would wait for PEs that are not in it)
+        raise BackendUnavailableError(f"NVSHMEM was left initialized in this process {_left_up_by}; restart the "
+                                      "process")
+    apply_env_defaults(single_node)
+    drv = driver()
+    if device_id is None:
+        device_id = rank % drv.device_count()
+    drv.make_current(device_id)
+    nvshmem.load()
+    return device_id
+
+
 def initialize_from_uniqueid(
     uid: bytes, rank: int, nranks: int, device_id: int | None = None, *, single_node: bool | None = None
 ) -> None:
@@ -1148,14 +1180,7 @@ def initialize_from_uniqueid(
         single_node: all ranks on one host: set the single-node NVSHMEM defaults.
     """
     from .. import runtime
-    from ..bindings.cuda import driver
 
-    if NVSHMEMEngine.name in runtime.initialized_backends():  # before NVSHMEM is touched: nothing to undo
-        raise RuntimeStateError(
-            f"backend {NVSHMEMEngine.name!r} is already initialized; call finalize() first"
-        )
-    apply_env_defaults(single_node)
-    if device_id is None:
-        device_id = rank % driver().device_count()
+    device_id = check_uniqueid_bring_up(rank, nranks, device_id, single_node=single_node)
     engine = NVSHMEMEngine._bring_up(bytes(uid), rank, nranks, device_id, None)
     runtime.install_engine(engine)

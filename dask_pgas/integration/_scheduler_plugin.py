@@ -79,6 +79,11 @@ def shared_gpu_warning(members: dict[str, tuple[str | None, str | None, int | No
             "LocalMPICluster(gpus=N) do it; docs/dask.md, 'Which GPU a PE uses')")
 
 
+def _failed(replies: dict[str, Any]) -> dict[str, Any]:
+    """The workers whose reply (a handler's dict, or the exception its call raised) is not OK."""
+    return {w: r for w, r in replies.items() if isinstance(r, BaseException) or r["status"] != "OK"}
+
+
 def _missing_ranks(infos: dict) -> set[int]:
     """Ranks of the workers' one MPI job without a worker here, beyond the ranks the job keeps for others (0 and
     1, dask-mpi's scheduler and client; none in LocalMPICluster's job); empty when the workers are not the ranks
@@ -310,7 +315,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             if self.world and (not self.broken or self._recoverable(infos)):
                 old, forced, self.world = list(self.world), bool(self.broken), ()
                 res = await self._call(old, "pgas_teardown", timeout=timeout, force=forced)
-                errors = {w: r for w, r in res.items() if isinstance(r, BaseException) or r["status"] != "OK"}
+                errors = _failed(res)
                 if forced and errors:
                     w, r = next(iter(errors.items()))
                     return {"status": "error", "message": f"the broken world #{self.epoch} could not be torn down "
@@ -337,15 +342,22 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                     # one host: NVSHMEM's one-node defaults (no remote transport, bootstrap over loopback), as the
                     # MPI path sets them from the ranks' host names
                     single = len({infos[w].get("host") for w in order}) == 1
-                    try:
-                        uid = await asyncio.wait_for(
-                            self.scheduler.rpc(order[0]).pgas_uniqueid(single_node=single), timeout
-                        )
-                    except asyncio.TimeoutError:
-                        raise
-                    except Exception as exc:  # no unique id on PE 0 (no GPU, no NVSHMEM): no PE was started;
-                        res = {order[0]: exc}  # reported as a failed init (it reached the client as a bare error)
-                    else:
+                    # NVSHMEM's unique-id init has no agreement before it: every worker does its local steps
+                    # first, and none enters the init unless all of them passed
+                    prepared = [self.scheduler.rpc(w).pgas_check_bring_up(pe=pe, npes=len(order), single_node=single)
+                                for pe, w in enumerate(order)]
+                    out = await asyncio.wait_for(asyncio.gather(*prepared, return_exceptions=True), timeout)
+                    res = dict(zip(order, out))
+                    if not _failed(res):
+                        try:
+                            uid = await asyncio.wait_for(
+                                self.scheduler.rpc(order[0]).pgas_uniqueid(single_node=single), timeout
+                            )
+                        except asyncio.TimeoutError:
+                            raise
+                        except Exception as exc:  # no unique id on PE 0: no PE was started; reported as a
+                            res = {order[0]: exc}  # failed init (it reached the client as a bare error)
+                    if not _failed(res):
                         coros = [
                             self.scheduler.rpc(w).pgas_init(
                                 epoch=epoch, ranks=None, backends=backends, uid=uid, pe=pe, npes=len(order),
@@ -360,8 +372,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             if res is None or any(isinstance(r, TimeoutError) for r in res.values()):
                 self.world, self.broken = tuple(order), f"bootstrap of world #{epoch} timed out after {timeout}s"
                 return {"status": "error", "message": self.broken}
-            errors = {w: r for w, r in res.items() if isinstance(r, BaseException) or r["status"] != "OK"}
-            if errors:
+            if errors := _failed(res):
                 w, r = next(iter(errors.items()))
                 why = r if isinstance(r, BaseException) else r["message"]
                 self.world, self.broken = tuple(order), f"bootstrap failed on {w}: {why}"
@@ -448,7 +459,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                 return {"status": "error", "message": f"the members {late} did not finish tearing the world down "
                         f"within {self.TEARDOWN_TIMEOUT:g} s; the world is dropped. dask_pgas.bootstrap(client) "
                         "builds a new one (members still inside the old one refuse it: then restart the cluster)"}
-            errors = {w: r for w, r in res.items() if isinstance(r, BaseException) or r["status"] != "OK"}
+            errors = _failed(res)
             if errors:
                 return {"status": "error", "message": str(errors)}
             self.broken = None  # (the broken world is gone: there is no world now)

@@ -369,6 +369,7 @@ class PGASWorkerPlugin(WorkerPlugin):
             {
                 "pgas_info": self._h_info,
                 "pgas_init": self._h_init,
+                "pgas_check_bring_up": self._h_check_bring_up,
                 "pgas_start": self._h_start,
                 "pgas_teardown": self._h_teardown,
                 "pgas_uniqueid": self._h_uniqueid,
@@ -572,6 +573,16 @@ class PGASWorkerPlugin(WorkerPlugin):
             return {"status": "error", "message": f"{type(exc).__name__}: {exc}"}
         return {"status": "OK", **(await self._h_info())}
 
+    async def _h_check_bring_up(self, pe: int, npes: int, single_node: bool | None = None) -> dict:
+        """The local steps of a unique-id bring-up, before any worker enters NVSHMEM's init (which has no
+        agreement of its own: a worker that failed alone would leave the others waiting inside it)."""
+        fut = self._thread.submit(self._check_bring_up, pe, npes, single_node)
+        try:
+            await asyncio.wrap_future(fut)
+        except Exception as exc:
+            return {"status": "error", "message": f"{type(exc).__name__}: {exc}"}
+        return {"status": "OK"}
+
     async def _h_uniqueid(self, single_node: bool | None = None) -> bytes:
         import dask_pgas
 
@@ -621,17 +632,35 @@ class PGASWorkerPlugin(WorkerPlugin):
                 fut.set_exception(exc)
 
     # ---------------------------------------------------------------- collective thread
-    def _init(self, epoch, ranks, backends, uid, pe, npes, single_node=None) -> None:
-        import dask_pgas
-
-        from .. import runtime
-
+    def _usable(self) -> None:
         if self.poisoned:
             raise PGASWorldError(
                 f"worker {self.worker.address} has a collective that never returned (a peer died, or the "
                 "watchdog gave up on it); its MPI "
                 "state cannot be reused: restart the workers (close the cluster and start a new one)"
             )
+
+    def _check_bring_up(self, pe: int, npes: int, single_node: bool | None) -> None:
+        import dask_pgas
+
+        from .. import runtime
+
+        self._usable()
+        if runtime.is_initialized():  # (the scheduler tore the last world down first: this one is not its member)
+            raise RuntimeStateError(f"worker {self.worker.address} still has a PGAS runtime up (world #{self.epoch}, "
+                                    "or one started outside bootstrap) that bootstrap cannot tear down alone: "
+                                    "restart the worker")
+        check = getattr(dask_pgas, "check_uniqueid_bring_up", None)
+        if check is None:
+            raise RuntimeStateError("this dask_pgas has no NVSHMEM unique-id bootstrap (GPU engine missing)")
+        check(pe, npes, WORKER_DEVICE, single_node=single_node)
+
+    def _init(self, epoch, ranks, backends, uid, pe, npes, single_node=None) -> None:
+        import dask_pgas
+
+        from .. import runtime
+
+        self._usable()
         if runtime.is_initialized():
             self._teardown()
         if uid is None:

@@ -503,6 +503,11 @@ def test_unique_id_bootstrap_puts_each_pe_on_its_workers_gpu(monkeypatch):
         calls.append(("init", rank, nranks, device_id, single_node))
         raise RuntimeError("stand-in: no NVSHMEM here")
 
+    def check(rank, nranks, device_id=None, *, single_node=None):
+        calls.append(("check", rank, nranks, device_id, single_node))
+        return device_id
+
+    monkeypatch.setattr(dask_pgas, "check_uniqueid_bring_up", check)
     monkeypatch.setattr(dask_pgas, "get_nvshmem_uniqueid", uid)
     monkeypatch.setattr(dask_pgas, "initialize_from_uniqueid", init)
     _as_separate_processes(monkeypatch)
@@ -510,8 +515,10 @@ def test_unique_id_bootstrap_puts_each_pe_on_its_workers_gpu(monkeypatch):
             Client(cluster) as client:
         with pytest.raises(PGASWorldError, match="stand-in: no NVSHMEM here"):
             dask_pgas.bootstrap(client, backends=["nvshmem"])
-    assert calls[0] == ("uid", 0, True)
-    assert sorted(calls[1:]) == [("init", 0, 2, 0, True), ("init", 1, 2, 0, True)]
+    # every worker's local steps, then the id, then the init
+    assert sorted(calls[:2]) == [("check", 0, 2, 0, True), ("check", 1, 2, 0, True)]
+    assert calls[2] == ("uid", 0, True)
+    assert sorted(calls[3:]) == [("init", 0, 2, 0, True), ("init", 1, 2, 0, True)]
 
 
 def test_unique_id_that_cannot_be_made_fails_bootstrap_clearly(monkeypatch):
@@ -524,6 +531,7 @@ def test_unique_id_that_cannot_be_made_fails_bootstrap_clearly(monkeypatch):
         raise RuntimeError("stand-in: no GPU on this worker")
 
     inits = []
+    monkeypatch.setattr(dask_pgas, "check_uniqueid_bring_up", lambda *args, **kwargs: 0)
     monkeypatch.setattr(dask_pgas, "get_nvshmem_uniqueid", no_uid)
     monkeypatch.setattr(dask_pgas, "initialize_from_uniqueid", lambda *args, **kwargs: inits.append(args))
     _as_separate_processes(monkeypatch)
@@ -533,6 +541,83 @@ def test_unique_id_that_cannot_be_made_fails_bootstrap_clearly(monkeypatch):
             with pytest.raises(PGASWorldError, match=r"bootstrap failed on \S+://.*stand-in: no GPU on this worker"):
                 dask_pgas.bootstrap(client, backends=["nvshmem"])
     assert inits == []
+
+
+def test_unique_id_bootstrap_starts_no_pe_when_one_worker_cannot_take_part(monkeypatch):
+    """NVSHMEM's unique-id init has no agreement of its own: a worker that failed alone (no such GPU, a library
+    that does not load there) left the others waiting inside it until the bootstrap timeout, and inside it for
+    good. Every worker does its local steps first: when one fails, bootstrap raises at once naming it and the
+    cause, no unique id is made and no worker enters the init; once the cause is gone, bootstrap succeeds.
+    NVSHMEM is a stand-in."""
+    import time
+
+    from distributed import Client, LocalCluster
+
+    calls = []
+    bad = {}
+
+    def check(rank, nranks, device_id=None, *, single_node=None):
+        calls.append(("check", rank))
+        if rank in bad:
+            raise RuntimeError(bad[rank])
+        return device_id
+
+    def uid(device_id=None, *, single_node=None):
+        calls.append(("uid",))
+        return b"u" * 128
+
+    monkeypatch.setattr(dask_pgas, "check_uniqueid_bring_up", check)
+    monkeypatch.setattr(dask_pgas, "get_nvshmem_uniqueid", uid)
+    monkeypatch.setattr(dask_pgas, "initialize_from_uniqueid", lambda u, rank, *a, **k: calls.append(("init", rank)))
+    _as_separate_processes(monkeypatch)
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        for rank in (2, 0):  # the last PE, then the one that would make the id
+            bad.clear()
+            bad[rank] = f"stand-in: device 0 is not there on PE {rank}"
+            calls.clear()
+            t0 = time.monotonic()
+            with pytest.raises(PGASWorldError, match=rf"bootstrap failed on \S+://.*stand-in: device 0 is not there "
+                                                     rf"on PE {rank}"):
+                dask_pgas.bootstrap(client, backends=["nvshmem"], timeout=60)
+            assert time.monotonic() - t0 < 30  # at once, not at the timeout
+            assert sorted(calls) == [("check", 0), ("check", 1), ("check", 2)]  # no id, no init
+        bad.clear()
+        calls.clear()
+        world = dask_pgas.bootstrap(client, backends=["nvshmem"])
+        assert world.npes == 3 and world.broken is None
+        assert sorted(calls[:3]) == [("check", 0), ("check", 1), ("check", 2)] and calls[3] == ("uid",)
+        assert sorted(calls[4:]) == [("init", 0), ("init", 1), ("init", 2)]
+
+
+@pytest.mark.skipif(not GPU_WORKERS, reason="a real NVSHMEM bring-up (GPU workers)")
+def test_unique_id_bootstrap_with_a_worker_that_sees_no_gpu_fails_at_once():
+    """The same on the GPU, for real: one of two Nanny workers sees no GPU (CUDA_VISIBLE_DEVICES empty). Before
+    the workers checked their local steps together, the other worker waited inside NVSHMEM's unique-id init until
+    the bootstrap timeout, and stayed there. Now bootstrap fails at once naming the GPU-less worker, and once it
+    is gone the other worker, never inside NVSHMEM, makes a world of its own and rechunks."""
+    from distributed import Client, LocalCluster, Nanny
+
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, memory_limit=0,
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        blind = client.sync(Nanny, cluster.scheduler_address, nthreads=1, env={"CUDA_VISIBLE_DEVICES": ""},
+                            dashboard_address=None)
+        try:
+            client.wait_for_workers(2)
+            t0 = time.monotonic()
+            with pytest.raises(PGASWorldError, match=rf"bootstrap failed on {blind.worker_address}"):
+                dask_pgas.bootstrap(client, backends=["nvshmem"], timeout=120)
+            assert time.monotonic() - t0 < 60
+        finally:
+            client.sync(blind.close)
+        while len(client.scheduler_info()["workers"]) > 1:
+            time.sleep(0.1)
+        world = dask_pgas.bootstrap(client, backends=["nvshmem"], timeout=120)
+        assert world.npes == 1 and world.broken is None
+        x = on_device(da.arange(64 * 64, chunks=512).reshape(64, 64).rechunk((64, 8))).persist()
+        np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (8, 64)).compute()),
+                                      np.arange(64 * 64).reshape(64, 64))
+        assert set(dask_pgas.teardown(client).values()) == {0}
 
 
 def test_unique_id_bootstrap_refuses_while_survivors_hold_a_world_that_lost_a_member(monkeypatch):
@@ -546,6 +631,7 @@ def test_unique_id_bootstrap_refuses_while_survivors_hold_a_world_that_lost_a_me
     from dask_pgas import runtime
 
     inits = []
+    monkeypatch.setattr(dask_pgas, "check_uniqueid_bring_up", lambda *args, **kwargs: 0)
     monkeypatch.setattr(dask_pgas, "get_nvshmem_uniqueid", lambda device_id=None, *, single_node=None: b"u" * 128)
     monkeypatch.setattr(dask_pgas, "initialize_from_uniqueid", lambda *args, **kwargs: inits.append(args[1:3]))
     _as_separate_processes(monkeypatch)
@@ -577,6 +663,7 @@ def test_workers_sharing_a_gpu_they_did_not_choose_get_a_warning(monkeypatch):
 
     from dask_pgas.integration import _worker_plugin
 
+    monkeypatch.setattr(dask_pgas, "check_uniqueid_bring_up", lambda *args, **kwargs: 0)
     monkeypatch.setattr(dask_pgas, "get_nvshmem_uniqueid", lambda device_id=None, *, single_node=None: b"u" * 128)
     monkeypatch.setattr(dask_pgas, "initialize_from_uniqueid", lambda *args, **kwargs: None)
     monkeypatch.setattr(_worker_plugin, "_gpu_identity", lambda: {"gpu": "0000:19:00.0", "visible_gpus": 4})

@@ -609,15 +609,18 @@ def test_uniqueid_init_attr_versions_and_flags():
 def test_initialize_from_uniqueid_sets_the_environment_before_nvshmem(monkeypatch, single_node):
     import os
 
+    from dask_pgas.bindings import cuda, nvshmem
     from dask_pgas.engines import nvshmem as eng_mod
 
     monkeypatch.setattr(os, "environ", {"DASK_PGAS_HEAP_SIZE": "2g"})
     seen = {}
 
     def bring_up(uid, rank, nranks, device, control):
-        seen.update(os.environ)
         raise RuntimeError("stop here")
 
+    # the environment as NVSHMEM's library first sees it (loaded by the local steps, before the init)
+    monkeypatch.setattr(cuda, "driver", lambda: types.SimpleNamespace(make_current=lambda device: None))
+    monkeypatch.setattr(nvshmem, "load", lambda: seen.update(os.environ))
     monkeypatch.setattr(eng_mod.NVSHMEMEngine, "_bring_up", staticmethod(bring_up))
     with pytest.raises(RuntimeError, match="stop here"):
         eng_mod.initialize_from_uniqueid(bytes(128), 0, 1, 0, single_node=single_node)
@@ -637,3 +640,26 @@ def test_env_defaults_keep_the_users_heap_and_nccl_settings():
     assert env["NVSHMEM_DISABLE_NVLS"] == " 0 "
     env = {}
     assert apply_env_defaults(False, env) == {"NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_DISABLE_NCCL": "1"}
+
+
+def test_check_uniqueid_bring_up_does_the_local_steps_and_refuses_what_would_hang(monkeypatch):
+    """The unique-id bring-up's local steps, without NVSHMEM's collective init (which has no agreement of its own):
+    the device (default: the rank modulo the visible GPUs) made current and the library loaded, or a clear error
+    where this process cannot take part: a rank outside the world, NVSHMEM left up in this process."""
+    from dask_pgas.bindings import cuda, nvshmem
+    from dask_pgas.engines import nvshmem as eng_mod
+    from dask_pgas.errors import BackendUnavailableError
+
+    made, loaded = [], []
+    driver = types.SimpleNamespace(device_count=lambda: 2, make_current=made.append)
+    monkeypatch.setattr(cuda, "driver", lambda: driver)
+    monkeypatch.setattr(nvshmem, "load", lambda: loaded.append(1))
+    monkeypatch.setattr(eng_mod, "apply_env_defaults", lambda single_node: None)
+    assert eng_mod.check_uniqueid_bring_up(3, 4) == 1 and made == [1] and loaded == [1]
+    assert eng_mod.check_uniqueid_bring_up(3, 4, 0) == 0 and made == [1, 0]
+    with pytest.raises(ValueError, match=r"rank 4 is not in range\(4\)"):
+        eng_mod.check_uniqueid_bring_up(4, 4)
+    monkeypatch.setattr(eng_mod, "_left_up_by", "by a failed bring-up (init raised on rank 1)")
+    with pytest.raises(BackendUnavailableError, match="left initialized in this process by a failed bring-up"):
+        eng_mod.check_uniqueid_bring_up(0, 4)
+    assert made == [1, 0]  # (refused before the device is touched)

@@ -46,7 +46,14 @@ else:
             raise SystemExit("no unique id file")
         time.sleep(0.05)
     uid = open(UIDFILE, "rb").read()
+# the local steps alone (what the Dask bootstrap agrees on before any worker enters NVSHMEM's init)
+assert dask_pgas.check_uniqueid_bring_up(RANK, SIZE, single_node=True) == RANK % cp.cuda.runtime.getDeviceCount()
 dask_pgas.initialize_from_uniqueid(uid, RANK, SIZE, single_node=True)
+try:
+    dask_pgas.check_uniqueid_bring_up(RANK, SIZE, single_node=True)
+    raise AssertionError("check_uniqueid_bring_up passed while the backend is up")
+except errors.RuntimeStateError:
+    pass
 eng = get_engine("nvshmem")
 assert type(eng.control).__name__ == "NVSHMEMControl", type(eng.control)
 got = eng.control.allgather({"rank": RANK, "blob": "x" * (100_000 if RANK == SIZE - 1 else 10)})
