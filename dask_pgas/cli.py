@@ -150,6 +150,9 @@ def demo(args: argparse.Namespace) -> int:
     kind = f"{workers} GPU worker{s}" if gpus else f"{workers} CPU worker{s} (MPI rank{s})"
     print(f"dask-pgas demo: {n} x {n} float64 ({format_bytes(n * n * 8)}), {kind}")
     print(f"  column slabs {cols} -> row slabs {rows} -> column slabs, median of {args.repeats}", flush=True)
+    if n * n * 8 < SMALL_DEMO:
+        print(f"  (under {format_bytes(SMALL_DEMO)} the times are mostly Dask's fixed cost per graph, not the data\n"
+              "   moved: a larger --size compares the methods' speed)", flush=True)
     t0 = time.perf_counter()
     with dask_pgas.LocalMPICluster(n_workers=workers, backends=["nvshmem"] if gpus else ["mpi"],
                                    gpus=gpus) as cluster, \
@@ -270,6 +273,8 @@ def _at_least(minimum: int, parse, what: str, unit: str = "", maximum: float = f
     return convert
 
 
+#: arrays smaller than this measure Dask's per-graph cost more than the data movement (the demo says so)
+SMALL_DEMO = 64 * 2**20
 _size = _at_least(8, parse_bytes, "a size (e.g. 64MiB, 1GiB)", " bytes", maximum=2**50)
 _positive = _at_least(1, int, "an integer")
 _seconds = _at_least(1, float, "a number of seconds", " s", maximum=1e6)

@@ -87,6 +87,7 @@ def test_demo_main_job():
     assert out.stdout.count("OK") >= 3  # pgas, tasks and p2p results checked
     # each direction against the faster peer in the same direction (it mixed directions)
     assert re.search(r"pgas vs faster of tasks/p2p: [\d.]+x cols->rows, [\d.]+x rows->cols", out.stdout), out.stdout
+    assert "mostly Dask's fixed cost per graph" in out.stdout  # (16 MiB: a small array, and the demo says so)
     assert "Traceback" not in out.stderr
 
 
