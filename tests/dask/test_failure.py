@@ -620,6 +620,39 @@ def test_unique_id_bootstrap_with_a_worker_that_sees_no_gpu_fails_at_once():
         assert set(dask_pgas.teardown(client).values()) == {0}
 
 
+@pytest.mark.skipif(not GPU_WORKERS, reason="a real NVSHMEM world outside MPI (GPU workers)")
+def test_unique_id_world_that_lost_a_worker_is_rebuilt_after_a_restart():
+    """The recovery a dask-cuda user goes through, for real: a Nanny worker of a unique-id world dies (its Nanny
+    starts a new one). Rechunks then fail clearly, and bootstrap refuses while the survivor holds the broken
+    world, saying to restart the workers; after client.restart() bootstrap builds a new world and rechunks."""
+    from distributed import Client, LocalCluster
+
+    want = np.arange(96 * 96).reshape(96, 96)
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, memory_limit=0,
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        world = dask_pgas.bootstrap(client, backends=["nvshmem"], timeout=120)
+        x = on_device(da.arange(96 * 96, chunks=96 * 12).reshape(96, 96).rechunk((96, 12))).persist()
+        np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (12, 96)).compute()), want)
+        victim = world.workers[1]
+        pid = client.run(os.getpid, workers=[victim])[victim]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while victim in client.scheduler_info()["workers"] or len(client.scheduler_info()["workers"]) < 2:
+            assert time.monotonic() < deadline, "the Nanny did not replace the killed worker"
+            time.sleep(0.2)
+        assert "left the PGAS world" in str(dask_pgas.world(client).broken)
+        with pytest.raises(PGASRechunkUnsupported, match="left the PGAS world"):
+            dask_pgas.rechunk(x, (12, 96))
+        with pytest.raises(PGASWorldError, match=r"still hold PGAS world #1, which cannot be torn down.*restart them"):
+            dask_pgas.bootstrap(client, backends=["nvshmem"], timeout=120)
+        client.restart()
+        world = dask_pgas.bootstrap(client, backends=["nvshmem"], timeout=120)
+        assert world.npes == 2 and world.broken is None
+        x = on_device(da.arange(96 * 96, chunks=96 * 12).reshape(96, 96).rechunk((96, 12))).persist()
+        np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (12, 96)).compute()), want)
+        assert set(dask_pgas.teardown(client).values()) == {0}
+
+
 def test_unique_id_bootstrap_refuses_while_survivors_hold_a_world_that_lost_a_member(monkeypatch):
     """A member of a unique-id world (dask-cuda, LocalCluster GPU workers) died and a new worker took its place:
     the survivors still hold the broken world, which cannot be torn down collectively, and would refuse init,
