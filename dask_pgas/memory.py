@@ -51,6 +51,7 @@ class _Record:
     keep: weakref.ref  # lives exactly as long as the memory is referenced (see _register)
     origin: tuple[str, int] | None = None  # the caller's line that allocated it (the leak warning points there)
     collected: bool = False
+    left_to_process: bool = False  # its owner gave it up on purpose (see left_to_process): no leak warning
 
 
 #: attributes the GPU engine sets on the torch tensors it makes (its storage's keeper, an empty tensor's root)
@@ -256,11 +257,24 @@ def _caller() -> tuple[str, int] | None:
     return None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
 
 
+def left_to_process(*arrays: Any) -> None:
+    """Local: these symmetric arrays go with the process, unfreed, on purpose. For an owner that is shutting down
+    alone and so cannot free collectively (a Dask worker closing: workers close one at a time); they are not
+    reported as leaks when collected, or at exit. Arrays that are not symmetric memory are ignored."""
+    with _lock:
+        for array in arrays:
+            rec, _ = _lookup(array)
+            if rec is not None:
+                rec.left_to_process = True
+
+
 def _collected(seq: int) -> None:
     rec = _live.get(seq)
     if rec is None:  # freed properly
         return
     rec.collected = True
+    if rec.left_to_process:
+        return
     warn_leak(
         f"symmetric memory ({rec.desc}, {rec.allocation.nbytes} bytes) was garbage collected without "
         "free_symmetric_memory(); it stays allocated until dask_pgas.finalize()",

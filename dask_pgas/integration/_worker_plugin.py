@@ -378,11 +378,15 @@ class PGASWorkerPlugin(WorkerPlugin):
         worker.stream_handlers.update({"pgas-forget": self._h_forget, "pgas-fail": self._h_fail})
 
     def teardown(self, worker) -> None:
-        # Not collective (workers close one at a time): memory goes with the process.
-        # dask_pgas.teardown(client) frees everything collectively beforehand.
+        # Not collective (workers close one at a time): memory goes with the process, on purpose (no leak
+        # warning for the staging buffers at exit). dask_pgas.teardown(client) frees everything collectively
+        # beforehand.
+        from ..memory import left_to_process
+
         trim = getattr(worker, "periodic_callbacks", {}).pop("pgas-trim", None)
         if trim is not None:
             trim.stop()
+        left_to_process(*self._buffers.values())
         self._thread.stop()
 
     def transition(self, key, start: str, finish: str, **kwargs) -> None:
