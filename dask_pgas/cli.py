@@ -150,7 +150,7 @@ def demo(args: argparse.Namespace) -> int:
     kind = f"{workers} GPU worker{s}" if gpus else f"{workers} CPU worker{s} (MPI rank{s})"
     print(f"dask-pgas demo: {n} x {n} float64 ({format_bytes(n * n * 8)}), {kind}")
     print(f"  column slabs {cols} -> row slabs {rows} -> column slabs, median of {args.repeats}", flush=True)
-    if n * n * 8 < SMALL_DEMO:
+    if nbytes < SMALL_DEMO:
         print(f"  (under {format_bytes(SMALL_DEMO)} the times are mostly Dask's fixed cost per graph, not the data\n"
               "   moved: a larger --size compares the methods' speed)", flush=True)
     t0 = time.perf_counter()

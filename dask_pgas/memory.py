@@ -258,14 +258,16 @@ def _caller() -> tuple[str, int] | None:
 
 
 def left_to_process(*arrays: Any) -> None:
-    """Local: these symmetric arrays go with the process, unfreed, on purpose. For an owner that is shutting down
-    alone and so cannot free collectively (a Dask worker closing: workers close one at a time); they are not
-    reported as leaks when collected, or at exit. Arrays that are not symmetric memory are ignored."""
-    with _lock:
-        for array in arrays:
-            rec, _ = _lookup(array)
-            if rec is not None:
-                rec.left_to_process = True
+    """Local: these arrays (as :func:`allocate_symmetric_memory` returned them; anything else is ignored) go with
+    the process, unfreed, on purpose. For an owner that shuts down alone and so cannot free collectively (a
+    Dask worker closing: workers close one at a time): they are not reported as leaks when collected, or at
+    exit. Takes no lock (as :func:`heap_usage`): the allocator holds it while it waits for the other ranks, and
+    a closing worker must not wait for a collective that may never end."""
+    for array in arrays:
+        seq = _by_id.get(id(array))
+        rec = _live.get(seq) if seq is not None else None
+        if rec is not None and rec.ref() is array:
+            rec.left_to_process = True
 
 
 def _collected(seq: int) -> None:

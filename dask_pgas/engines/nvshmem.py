@@ -458,23 +458,12 @@ class NVSHMEMEngine(Engine):
     @classmethod
     def _bring_up(cls, uid: bytes, rank: int, nranks: int, device: int, control: ControlPlane | None
                   ) -> NVSHMEMEngine:
-        from ..bindings import nvshmem
-        from ..bindings.cuda import driver
-
-        def prepare() -> tuple[Any, Any]:
-            if _left_up_by:  # (a second init there would wait for PEs that are not in it)
-                raise RuntimeError(f"NVSHMEM was left initialized in this process {_left_up_by}; restart the "
-                                   "process")
-            drv = driver()
-            drv.make_current(device)
-            _use_device_in_packages(device)
-            return drv, nvshmem.load()
-
         def not_initialized(status: int) -> str:
             return f"NVSHMEM did not initialize (status {status}); set NVSHMEM_DEBUG=INFO"
 
         if control is None:  # no channel to the other PEs before NVSHMEM is up: a local failure raises alone
-            drv, nv = prepare()
+            # (callers agree on check_uniqueid_bring_up, the same local steps, first)
+            drv, nv = _local_steps(device)
             status = nv.init_with_uniqueid(uid, rank, nranks)
             if status < 2:
                 raise BackendUnavailableError(not_initialized(status))
@@ -483,7 +472,7 @@ class NVSHMEMEngine(Engine):
             # the engine's first exchange): agree on the local steps before it, and on its outcome after it
             error = None
             try:
-                drv, nv = prepare()
+                drv, nv = _local_steps(device)
             except Exception as exc:  # reported to every PE, never raised alone
                 error = f"{type(exc).__name__}: {exc}"
             _raise_unavailable(control.agree(error))
@@ -818,6 +807,25 @@ def _release_package_caches() -> None:
         torch.cuda.empty_cache()
 
 
+def _refuse_left_up() -> None:
+    if _left_up_by:  # (a second init there would wait for PEs that are not in it)
+        raise BackendUnavailableError(f"NVSHMEM was left initialized in this process {_left_up_by}; restart the "
+                                      "process")
+
+
+def _local_steps(device: int) -> tuple[Any, Any]:
+    """The bring-up's steps before NVSHMEM's collective init, all local: refuse a process where NVSHMEM was left
+    up, make ``device`` current (for CuPy and torch too), load NVSHMEM. Returns the driver and the library."""
+    from ..bindings import nvshmem
+    from ..bindings.cuda import driver
+
+    _refuse_left_up()
+    drv = driver()
+    drv.make_current(device)
+    _use_device_in_packages(device)
+    return drv, nvshmem.load()
+
+
 def _use_device_in_packages(device: int) -> None:
     cupy = sys.modules.get("cupy")
     if cupy is None and importlib.util.find_spec("cupy") is not None:
@@ -1146,7 +1154,6 @@ def check_uniqueid_bring_up(
     Returns the CUDA device the rank will use.
     """
     from .. import runtime
-    from ..bindings import nvshmem
     from ..bindings.cuda import driver
 
     if not 0 <= rank < nranks:
@@ -1155,15 +1162,11 @@ def check_uniqueid_bring_up(
         raise RuntimeStateError(
             f"backend {NVSHMEMEngine.name!r} is already initialized; call finalize() first"
         )
-    if _left_up_by:  # (a second init there would wait for PEs that are not in it)
-        raise BackendUnavailableError(f"NVSHMEM was left initialized in this process {_left_up_by}; restart the "
-                                      "process")
+    _refuse_left_up()  # (before the environment and the device are touched)
     apply_env_defaults(single_node)
-    drv = driver()
     if device_id is None:
-        device_id = rank % drv.device_count()
-    drv.make_current(device_id)
-    nvshmem.load()
+        device_id = rank % driver().device_count()
+    _local_steps(device_id)
     return device_id
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
+import time
 import weakref
 from typing import Any
 
@@ -81,7 +82,18 @@ def shared_gpu_warning(members: dict[str, tuple[str | None, str | None, int | No
 
 def _failed(replies: dict[str, Any]) -> dict[str, Any]:
     """The workers whose reply (a handler's dict, or the exception its call raised) is not OK."""
-    return {w: r for w, r in replies.items() if isinstance(r, BaseException) or r["status"] != "OK"}
+    return {w: r for w, r in replies.items() if not isinstance(r, dict) or r.get("status") != "OK"}
+
+
+def _why(reply: Any) -> str:
+    """What a failed reply says (see :func:`_failed`)."""
+    if isinstance(reply, BaseException):
+        return str(reply)
+    if isinstance(reply, dict) and "message" in reply:
+        return reply["message"]
+    # (distributed answers None to an operation the worker has no handler for)
+    return (f"it answered {reply!r}: does it run another version of dask_pgas? The scheduler and every worker "
+            "need the same")
 
 
 def _missing_ranks(infos: dict) -> set[int]:
@@ -203,18 +215,23 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                 names.add(key[0] if isinstance(key, tuple) else key)
         return sorted(names)
 
-    async def _call(self, workers, op: str, timeout: float | None = None, **kwargs) -> dict[str, Any]:
-        """Each worker's reply to ``op``, or the exception it raised; a worker that has not answered within
-        ``timeout`` gets a ``TimeoutError`` (the others' replies are kept, and the call itself never raises for
-        it: a bare timeout reached the client as "the scheduler does not answer")."""
-        tasks = {w: asyncio.ensure_future(self.scheduler.rpc(w).__getattr__(op)(**kwargs)) for w in workers}
+    async def _call(self, workers, op: str, timeout: float | None = None, each: dict | None = None,
+                    **kwargs) -> dict[str, Any]:
+        """Each worker's reply to ``op`` (called with ``kwargs`` and its own ``each[worker]``), or the exception it
+        raised; a worker that has not answered within ``timeout`` gets a ``TimeoutError`` (the others' replies
+        are kept, and the call itself never raises for it: a bare timeout reached the client as "the scheduler
+        does not answer")."""
+        each = each or {}
+        tasks = {w: asyncio.ensure_future(self.scheduler.rpc(w).__getattr__(op)(**kwargs, **each.get(w, {})))
+                 for w in workers}
         pending = set()
         if tasks:
             _, pending = await asyncio.wait(tasks.values(), timeout=timeout)
             for task in pending:
                 task.cancel()
+        limit = f"{timeout:.1f}".rstrip("0").rstrip(".") if pending else ""
         return {
-            w: TimeoutError(f"{w} did not answer {op} within {timeout:g}s") if task in pending
+            w: TimeoutError(f"{w} did not answer {op} within {limit}s") if task in pending
             else task.exception() or task.result()
             for w, task in tasks.items()
         }
@@ -319,7 +336,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                 if forced and errors:
                     w, r = next(iter(errors.items()))
                     return {"status": "error", "message": f"the broken world #{self.epoch} could not be torn down "
-                            f"on {w} ({r if isinstance(r, BaseException) else r['message']}); restart the cluster"}
+                            f"on {w} ({_why(r)}); restart the cluster"}
             elif not mpi_world and (held := [w for w in order if infos[w]["initialized"] and infos[w]["broken"]]):
                 # such a worker refuses init (its broken world cannot be torn down), and NVSHMEM's unique-id init
                 # has no agreement before it: the other workers would wait in it until the timeout and stay inside
@@ -332,50 +349,38 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             self._ready.clear()
             self._last_seq.clear()
             epoch = self.epoch
-            try:
-                if mpi_world:
-                    res = await self._call(
-                        order, "pgas_init", timeout=timeout,
-                        epoch=epoch, ranks=[ranks[w] for w in order], backends=backends,
-                    )
-                else:
-                    # one host: NVSHMEM's one-node defaults (no remote transport, bootstrap over loopback), as the
-                    # MPI path sets them from the ranks' host names
-                    single = len({infos[w].get("host") for w in order}) == 1
-                    # NVSHMEM's unique-id init has no agreement before it: every worker does its local steps
-                    # first, and none enters the init unless all of them passed
-                    prepared = [self.scheduler.rpc(w).pgas_check_bring_up(pe=pe, npes=len(order), single_node=single)
-                                for pe, w in enumerate(order)]
-                    out = await asyncio.wait_for(asyncio.gather(*prepared, return_exceptions=True), timeout)
-                    res = dict(zip(order, out))
-                    if not _failed(res):
-                        try:
-                            uid = await asyncio.wait_for(
-                                self.scheduler.rpc(order[0]).pgas_uniqueid(single_node=single), timeout
-                            )
-                        except asyncio.TimeoutError:
-                            raise
-                        except Exception as exc:  # no unique id on PE 0: no PE was started; reported as a
-                            res = {order[0]: exc}  # failed init (it reached the client as a bare error)
-                    if not _failed(res):
-                        coros = [
-                            self.scheduler.rpc(w).pgas_init(
-                                epoch=epoch, ranks=None, backends=backends, uid=uid, pe=pe, npes=len(order),
-                                single_node=single,
-                            )
-                            for pe, w in enumerate(order)
-                        ]
-                        out = await asyncio.wait_for(asyncio.gather(*coros, return_exceptions=True), timeout)
-                        res = dict(zip(order, out))
-            except asyncio.TimeoutError:  # (the unique-id path's own waits)
-                res = None
-            if res is None or any(isinstance(r, TimeoutError) for r in res.values()):
-                self.world, self.broken = tuple(order), f"bootstrap of world #{epoch} timed out after {timeout}s"
+            if mpi_world:
+                res = await self._call(
+                    order, "pgas_init", timeout=timeout,
+                    epoch=epoch, ranks=[ranks[w] for w in order], backends=backends,
+                )
+            else:
+                # one host: NVSHMEM's one-node defaults (no remote transport, bootstrap over loopback), as the
+                # MPI path sets them from the ranks' host names
+                single = len({infos[w].get("host") for w in order}) == 1
+                pes = {w: {"pe": pe} for pe, w in enumerate(order)}
+                deadline = time.monotonic() + timeout  # (the three steps together, as the one init above)
+
+                def left() -> float:
+                    return max(deadline - time.monotonic(), 0.0)
+
+                # NVSHMEM's unique-id init has no agreement before it: every worker does its local steps
+                # first, and none enters the init unless all of them passed
+                res = await self._call(order, "pgas_check_bring_up", timeout=left(), each=pes, npes=len(order),
+                                       single_node=single)
+                if not _failed(res):
+                    # (a failure here, of PE 0 alone, is reported as a failed init: no PE was started)
+                    res = await self._call(order[:1], "pgas_uniqueid", timeout=left(), single_node=single)
+                    if not isinstance(uid := res[order[0]], BaseException):
+                        res = await self._call(order, "pgas_init", timeout=left(), each=pes, epoch=epoch,
+                                               ranks=None, backends=backends, uid=uid, npes=len(order),
+                                               single_node=single)
+            if late := [r for r in res.values() if isinstance(r, TimeoutError)]:
+                self.world, self.broken = tuple(order), f"bootstrap of world #{epoch} timed out: {late[0]}"
                 return {"status": "error", "message": self.broken}
             if errors := _failed(res):
                 w, r = next(iter(errors.items()))
-                why = r if isinstance(r, BaseException) else r["message"]
-                self.world, self.broken = tuple(order), f"bootstrap failed on {w}: {why}"
+                self.world, self.broken = tuple(order), f"bootstrap failed on {w}: {_why(r)}"
                 return {"status": "error", "message": self.broken}
             for pe, w in enumerate(order):
                 if res[w]["pe"] != pe:  # (the members did initialize: a broken world, ended as the others are)
@@ -459,9 +464,8 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                 return {"status": "error", "message": f"the members {late} did not finish tearing the world down "
                         f"within {self.TEARDOWN_TIMEOUT:g} s; the world is dropped. dask_pgas.bootstrap(client) "
                         "builds a new one (members still inside the old one refuse it: then restart the cluster)"}
-            errors = _failed(res)
-            if errors:
-                return {"status": "error", "message": str(errors)}
+            if errors := _failed(res):
+                return {"status": "error", "message": "; ".join(f"{w}: {_why(r)}" for w, r in errors.items())}
             self.broken = None  # (the broken world is gone: there is no world now)
             return {"status": "OK", "workers": res}
 

@@ -384,10 +384,12 @@ class PGASWorkerPlugin(WorkerPlugin):
         from ..memory import left_to_process
 
         trim = getattr(worker, "periodic_callbacks", {}).pop("pgas-trim", None)
-        if trim is not None:
-            trim.stop()
-        left_to_process(*self._buffers.values())
-        self._thread.stop()
+        try:
+            if trim is not None:
+                trim.stop()
+            left_to_process(*list(self._buffers.values()))
+        finally:
+            self._thread.stop()
 
     def transition(self, key, start: str, finish: str, **kwargs) -> None:
         """A transfer task cancelled while it executed (its rechunk was released) may have staged after the
@@ -590,10 +592,8 @@ class PGASWorkerPlugin(WorkerPlugin):
     async def _h_uniqueid(self, single_node: bool | None = None) -> bytes:
         import dask_pgas
 
-        make = getattr(dask_pgas, "get_nvshmem_uniqueid", None)
-        if make is None:
-            raise RuntimeStateError("this dask_pgas has no NVSHMEM unique-id bootstrap (GPU engine missing)")
-        return await asyncio.wrap_future(self._thread.submit(lambda: make(WORKER_DEVICE, single_node=single_node)))
+        return await asyncio.wrap_future(self._thread.submit(
+            lambda: dask_pgas.get_nvshmem_uniqueid(WORKER_DEVICE, single_node=single_node)))
 
     def _h_forget(self, name: str, run: int | None = None, epoch: int | None = None) -> None:
         """Dask is done with rechunk ``name`` (its barrier task was released or forgotten): drop what it staged
@@ -654,10 +654,7 @@ class PGASWorkerPlugin(WorkerPlugin):
             raise RuntimeStateError(f"worker {self.worker.address} still has a PGAS runtime up (world #{self.epoch}, "
                                     "or one started outside bootstrap) that bootstrap cannot tear down alone: "
                                     "restart the worker")
-        check = getattr(dask_pgas, "check_uniqueid_bring_up", None)
-        if check is None:
-            raise RuntimeStateError("this dask_pgas has no NVSHMEM unique-id bootstrap (GPU engine missing)")
-        check(pe, npes, WORKER_DEVICE, single_node=single_node)
+        dask_pgas.check_uniqueid_bring_up(pe, npes, WORKER_DEVICE, single_node=single_node)
 
     def _init(self, epoch, ranks, backends, uid, pe, npes, single_node=None) -> None:
         import dask_pgas
@@ -684,10 +681,7 @@ class PGASWorkerPlugin(WorkerPlugin):
             finally:
                 comm.Free()
         else:
-            init = getattr(dask_pgas, "initialize_from_uniqueid", None)
-            if init is None:
-                raise RuntimeStateError("this dask_pgas has no NVSHMEM unique-id bootstrap (GPU engine missing)")
-            init(uid, pe, npes, WORKER_DEVICE, single_node=single_node)
+            dask_pgas.initialize_from_uniqueid(uid, pe, npes, WORKER_DEVICE, single_node=single_node)
             self.pe, self.npes = pe, npes
         self.epoch = epoch
         self.broken = None

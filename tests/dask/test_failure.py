@@ -590,6 +590,59 @@ def test_unique_id_bootstrap_starts_no_pe_when_one_worker_cannot_take_part(monke
         assert sorted(calls[4:]) == [("init", 0), ("init", 1), ("init", 2)]
 
 
+def test_unique_id_bootstrap_names_the_worker_whose_check_did_not_answer_in_time(monkeypatch):
+    """A worker whose local steps outlast the bootstrap timeout: bootstrap fails at the timeout naming it (the
+    three steps share one timeout; a wait over all of them named nobody), no worker entered the init, and once
+    the slow step has ended a bootstrap succeeds. NVSHMEM is a stand-in."""
+    from distributed import Client, LocalCluster
+
+    inits = []
+
+    def check(rank, nranks, device_id=None, *, single_node=None):
+        if rank == 1 and not inits:
+            time.sleep(4)
+        return device_id
+
+    monkeypatch.setattr(dask_pgas, "check_uniqueid_bring_up", check)
+    monkeypatch.setattr(dask_pgas, "get_nvshmem_uniqueid", lambda device_id=None, *, single_node=None: b"u" * 128)
+    monkeypatch.setattr(dask_pgas, "initialize_from_uniqueid", lambda u, rank, *a, **k: inits.append(rank))
+    _as_separate_processes(monkeypatch)
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        t0 = time.monotonic()
+        with pytest.raises(PGASWorldError, match=r"timed out: \S+://\S+ did not answer pgas_check_bring_up within 1s"):
+            dask_pgas.bootstrap(client, backends=["nvshmem"], timeout=1)
+        assert time.monotonic() - t0 < 3.5 and inits == []
+        inits.append(None)  # (the next check is quick)
+        world = dask_pgas.bootstrap(client, backends=["nvshmem"], timeout=30)
+        assert world.npes == 2 and sorted(inits[1:]) == [0, 1]
+
+
+def test_a_worker_with_another_dask_pgas_fails_bootstrap_naming_it(monkeypatch):
+    """A worker whose dask_pgas lacks a handler the scheduler calls (another version: distributed answers None
+    to an unknown operation) failed bootstrap with a bare TypeError; now bootstrap names it and says why."""
+    from distributed import Client, LocalCluster
+
+    from dask_pgas.integration._worker_plugin import PGASWorkerPlugin
+
+    setup = PGASWorkerPlugin.setup
+
+    def older_on_the_second(self, worker):
+        setup(self, worker)
+        if worker.name == 1:
+            del worker.handlers["pgas_check_bring_up"]
+
+    monkeypatch.setattr(PGASWorkerPlugin, "setup", older_on_the_second)
+    monkeypatch.setattr(dask_pgas, "check_uniqueid_bring_up", lambda *args, **kwargs: 0)
+    _as_separate_processes(monkeypatch)
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        second = next(w.address for w in cluster.workers.values() if w.name == 1)
+        with pytest.raises(PGASWorldError, match=rf"bootstrap failed on {second}: it answered None: does it run "
+                                                 r"another version of dask_pgas\?"):
+            dask_pgas.bootstrap(client, backends=["nvshmem"])
+
+
 @pytest.mark.skipif(not GPU_WORKERS, reason="a real NVSHMEM bring-up (GPU workers)")
 def test_unique_id_bootstrap_with_a_worker_that_sees_no_gpu_fails_at_once():
     """The same on the GPU, for real: one of two Nanny workers sees no GPU (CUDA_VISIBLE_DEVICES empty). Before

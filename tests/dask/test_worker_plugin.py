@@ -453,3 +453,22 @@ def test_a_closing_worker_leaves_its_buffers_to_the_process_without_leak_warning
     leaks = [line for line in out.stderr.splitlines() if "SymmetricMemoryLeakWarning" in line]
     sizes = sorted(int(line.split(" bytes)")[0].rsplit(", ", 1)[1]) for line in leaks)
     assert sizes == ([64] if close else [64, 4000, 6000]), out.stderr
+
+
+def test_a_worker_with_a_runtime_up_fails_the_bring_up_check(plugin, monkeypatch):
+    """A worker that still has a runtime up when a unique-id bootstrap asks it to check its local steps (the
+    scheduler tears its own world down first: this one it does not know) refuses, saying to restart it; the
+    init would have torn the runtime down alone, a collective on one worker. Nothing NVSHMEM is touched."""
+    import dask_pgas
+    from dask_pgas import runtime
+    from dask_pgas.errors import RuntimeStateError
+
+    checked = []
+    monkeypatch.setattr(dask_pgas, "check_uniqueid_bring_up", lambda *args, **kwargs: checked.append(args))
+    monkeypatch.setattr(runtime, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeStateError, match=r"still has a PGAS runtime up .* restart the worker"):
+        plugin._check_bring_up(0, 2, True)
+    assert checked == []
+    monkeypatch.setattr(runtime, "is_initialized", lambda: False)
+    plugin._check_bring_up(1, 2, True)
+    assert checked == [(1, 2, 0)]
