@@ -88,7 +88,7 @@ def _failed(replies: dict[str, Any]) -> dict[str, Any]:
 def _why(reply: Any) -> str:
     """What a failed reply says (see :func:`_failed`)."""
     if isinstance(reply, BaseException):
-        return str(reply)
+        return f"{type(reply).__name__}: {reply}"
     if isinstance(reply, dict) and "message" in reply:
         return reply["message"]
     # (distributed answers None to an operation the worker has no handler for)
@@ -222,7 +222,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         are kept, and the call itself never raises for it: a bare timeout reached the client as "the scheduler
         does not answer")."""
         each = each or {}
-        tasks = {w: asyncio.ensure_future(self.scheduler.rpc(w).__getattr__(op)(**kwargs, **each.get(w, {})))
+        tasks = {w: asyncio.ensure_future(self.scheduler.rpc(w).__getattr__(op)(**{**kwargs, **each.get(w, {})}))
                  for w in workers}
         pending = set()
         if tasks:
@@ -349,9 +349,10 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             self._ready.clear()
             self._last_seq.clear()
             epoch = self.epoch
+            step = "pgas_init"  # (the step a timeout names)
             if mpi_world:
                 res = await self._call(
-                    order, "pgas_init", timeout=timeout,
+                    order, step, timeout=timeout,
                     epoch=epoch, ranks=[ranks[w] for w in order], backends=backends,
                 )
             else:
@@ -366,17 +367,19 @@ class PGASSchedulerPlugin(SchedulerPlugin):
 
                 # NVSHMEM's unique-id init has no agreement before it: every worker does its local steps
                 # first, and none enters the init unless all of them passed
-                res = await self._call(order, "pgas_check_bring_up", timeout=left(), each=pes, npes=len(order),
-                                       single_node=single)
+                step = "pgas_check_bring_up"
+                res = await self._call(order, step, timeout=left(), each=pes, npes=len(order), single_node=single)
                 if not _failed(res):
                     # (a failure here, of PE 0 alone, is reported as a failed init: no PE was started)
-                    res = await self._call(order[:1], "pgas_uniqueid", timeout=left(), single_node=single)
-                    if not isinstance(uid := res[order[0]], BaseException):
-                        res = await self._call(order, "pgas_init", timeout=left(), each=pes, epoch=epoch,
-                                               ranks=None, backends=backends, uid=uid, npes=len(order),
-                                               single_node=single)
-            if late := [r for r in res.values() if isinstance(r, TimeoutError)]:
-                self.world, self.broken = tuple(order), f"bootstrap of world #{epoch} timed out: {late[0]}"
+                    step = "pgas_uniqueid"
+                    res = await self._call(order[:1], step, timeout=left(), single_node=single)
+                    if isinstance(uid := res[order[0]], bytes):  # (else an error, or another version's answer)
+                        step = "pgas_init"
+                        res = await self._call(order, step, timeout=left(), each=pes, epoch=epoch, ranks=None,
+                                               backends=backends, uid=uid, npes=len(order), single_node=single)
+            if late := [w for w, r in res.items() if isinstance(r, TimeoutError)]:
+                self.world, self.broken = tuple(order), (f"bootstrap of world #{epoch} timed out after {timeout:g}s: "
+                                                         f"{', '.join(late)} did not answer {step}")
                 return {"status": "error", "message": self.broken}
             if errors := _failed(res):
                 w, r = next(iter(errors.items()))
