@@ -807,19 +807,15 @@ def _release_package_caches() -> None:
         torch.cuda.empty_cache()
 
 
-def _refuse_left_up() -> None:
-    if _left_up_by:  # (a second init there would wait for PEs that are not in it)
-        raise BackendUnavailableError(f"NVSHMEM was left initialized in this process {_left_up_by}; restart the "
-                                      "process")
-
-
 def _local_steps(device: int) -> tuple[Any, Any]:
     """The bring-up's steps before NVSHMEM's collective init, all local: refuse a process where NVSHMEM was left
     up, make ``device`` current (for CuPy and torch too), load NVSHMEM. Returns the driver and the library."""
     from ..bindings import nvshmem
     from ..bindings.cuda import driver
 
-    _refuse_left_up()
+    if _left_up_by:  # (a second init there would wait for PEs that are not in it)
+        raise BackendUnavailableError(f"NVSHMEM was left initialized in this process {_left_up_by}; restart the "
+                                      "process")
     drv = driver()
     drv.make_current(device)
     _use_device_in_packages(device)
@@ -1162,7 +1158,6 @@ def check_uniqueid_bring_up(
         raise RuntimeStateError(
             f"backend {NVSHMEMEngine.name!r} is already initialized; call finalize() first"
         )
-    _refuse_left_up()  # (before the environment and the device are touched)
     apply_env_defaults(single_node)
     if device_id is None:
         device_id = rank % driver().device_count()

@@ -338,8 +338,8 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                     return {"status": "error", "message": f"the broken world #{self.epoch} could not be torn down "
                             f"on {w} ({_why(r)}); restart the cluster"}
             elif not mpi_world and (held := [w for w in order if infos[w]["initialized"] and infos[w]["broken"]]):
-                # such a worker refuses init (its broken world cannot be torn down), and NVSHMEM's unique-id init
-                # has no agreement before it: the other workers would wait in it until the timeout and stay inside
+                # such a worker refuses init (its broken world cannot be torn down); the workers' bring-up check
+                # would refuse it too, but this says why, names every such worker and starts no new world
                 return {"status": "error", "message": f"workers {held} still hold PGAS world #{self.epoch}, which "
                         f"cannot be torn down collectively ({self.broken or 'it is not recoverable'}); restart them "
                         "(client.restart(), or restart the cluster), then bootstrap again"}

@@ -387,7 +387,7 @@ class PGASWorkerPlugin(WorkerPlugin):
         try:
             if trim is not None:
                 trim.stop()
-            left_to_process(*list(self._buffers.values()))
+            left_to_process(*self._buffers.values())
         finally:
             self._thread.stop()
 
@@ -530,12 +530,8 @@ class PGASWorkerPlugin(WorkerPlugin):
 
     async def _h_init(self, epoch: int, ranks: list | None, backends: list | None, uid: bytes | None = None,
                       pe: int | None = None, npes: int | None = None, single_node: bool | None = None) -> dict:
-        fut = self._thread.submit(self._init, epoch, ranks, backends, uid, pe, npes, single_node)
-        try:
-            await asyncio.wrap_future(fut)
-        except Exception as exc:
-            return {"status": "error", "message": f"{type(exc).__name__}: {exc}"}
-        return {"status": "OK", "pe": self.pe, "npes": self.npes, **_gpu_identity()}
+        reply = await self._on_thread(self._init, epoch, ranks, backends, uid, pe, npes, single_node)
+        return reply if reply["status"] != "OK" else {**reply, "pe": self.pe, "npes": self.npes, **_gpu_identity()}
 
     async def _h_start(self, name: str, seq: int, epoch: int) -> dict:
         if epoch != self.epoch:
@@ -571,23 +567,22 @@ class PGASWorkerPlugin(WorkerPlugin):
                     "message": f"PE {self.pe} ({self.worker.address}): {type(exc).__name__}: {exc}"}
         return {"status": "OK", **info}
 
-    async def _h_teardown(self, force: bool = False) -> dict:
-        fut = self._thread.submit(self._teardown, force)
+    async def _on_thread(self, fn: Any, *args: Any) -> dict:
+        """Run ``fn(*args)`` on the collective thread: an OK reply, or its error as the reply's message."""
         try:
-            await asyncio.wrap_future(fut)
+            await asyncio.wrap_future(self._thread.submit(fn, *args))
         except Exception as exc:
             return {"status": "error", "message": f"{type(exc).__name__}: {exc}"}
-        return {"status": "OK", **(await self._h_info())}
+        return {"status": "OK"}
+
+    async def _h_teardown(self, force: bool = False) -> dict:
+        reply = await self._on_thread(self._teardown, force)
+        return reply if reply["status"] != "OK" else {**reply, **(await self._h_info())}
 
     async def _h_check_bring_up(self, pe: int, npes: int, single_node: bool | None = None) -> dict:
         """The local steps of a unique-id bring-up, before any worker enters NVSHMEM's init (which has no
         agreement of its own: a worker that failed alone would leave the others waiting inside it)."""
-        fut = self._thread.submit(self._check_bring_up, pe, npes, single_node)
-        try:
-            await asyncio.wrap_future(fut)
-        except Exception as exc:
-            return {"status": "error", "message": f"{type(exc).__name__}: {exc}"}
-        return {"status": "OK"}
+        return await self._on_thread(self._check_bring_up, pe, npes, single_node)
 
     async def _h_uniqueid(self, single_node: bool | None = None) -> bytes:
         import dask_pgas

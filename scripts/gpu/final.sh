@@ -109,21 +109,27 @@ rechunk_bench() {  # rechunk_bench K SIZES TIMEOUT LOG [ARGS...]
     python3 benchmarks/bench_rechunk_gpu.py --workers "$k" --sizes "$sizes" "$@"
 }
 
+# gpu_checks LOG: tests/gpu/programs/gpu_checks.py at 1, 2 and 4 PEs, and at 3 with empty boxes moved through
+# peer copies (the engine and checks jobs)
+gpu_checks() {
+  for np_ in 1 2 4; do
+    step "gpu_checks np=$np_" 100 "$1" $MPIRUN -n $np_ python3 tests/gpu/programs/gpu_checks.py
+  done
+  step "gpu_checks np=3 DASK_PGAS_EMPTY_VIA_PEER=1" 100 "$1" \
+    env DASK_PGAS_EMPTY_VIA_PEER=1 $MPIRUN -n 3 python3 tests/gpu/programs/gpu_checks.py
+}
+
 # ---------------------------------------------------------------- jobs
 job_engine() {
   ( step "pytest tests/gpu" 240 "$OUT/engine-pytest.log" python3 -m pytest -q -p no:cacheprovider tests/gpu
     step "the core's bad-input and symmetric-memory programs on NVSHMEM (CuPy, torch)" 240 "$OUT/engine-pytest.log" \
       python3 -m pytest -q -rA -p no:cacheprovider -m gpu tests/mpi/test_reshape_mpi.py ) &
-  ( for np_ in 1 2 4; do
-      step "gpu_checks np=$np_" 100 "$OUT/engine.log" $MPIRUN -n $np_ python3 tests/gpu/programs/gpu_checks.py
-    done
-    # empty boxes both ways: through cuFFTMp (empty_probe forces it) and around it (DASK_PGAS_EMPTY_VIA_PEER=1)
+  ( gpu_checks "$OUT/engine.log"
+    # empty boxes both ways: through cuFFTMp (empty_probe forces it) and around it (gpu_checks' EMPTY_VIA_PEER run)
     for np_ in 2 3; do
       step "empty_probe np=$np_ (cuFFTMp with an empty box)" 60 "$OUT/engine.log" \
         $MPIRUN -n $np_ python3 tests/gpu/programs/empty_probe.py
     done
-    step "gpu_checks np=3 DASK_PGAS_EMPTY_VIA_PEER=1" 100 "$OUT/engine.log" \
-      env DASK_PGAS_EMPTY_VIA_PEER=1 $MPIRUN -n 3 python3 tests/gpu/programs/gpu_checks.py
     core_suite 3 cupy 10 100 "$OUT/engine.log"
     core_suite 4 torch 30 100 "$OUT/engine.log"
     core_suite 2 numpy 10 100 "$OUT/engine.log"
@@ -132,11 +138,7 @@ job_engine() {
   grep -h "passed\|failed" "$OUT/engine-pytest.log" | tail -2 >>"$S"
 }
 job_checks() {
-  for np_ in 1 2 4; do
-    step "gpu_checks np=$np_" 100 "$OUT/checks.log" $MPIRUN -n $np_ python3 tests/gpu/programs/gpu_checks.py
-  done
-  step "gpu_checks np=3 DASK_PGAS_EMPTY_VIA_PEER=1" 100 "$OUT/checks.log" \
-    env DASK_PGAS_EMPTY_VIA_PEER=1 $MPIRUN -n 3 python3 tests/gpu/programs/gpu_checks.py
+  gpu_checks "$OUT/checks.log"
   grep -h "^FAIL\|Error" "$OUT/checks.log" | head -20 >>"$S" 2>/dev/null
 }
 job_mps() {
