@@ -70,9 +70,9 @@ class UnsupportedOperandError(PGASError, TypeError):
 
 
 class OperandMismatchError(UnsupportedOperandError, ValueError):
-    """An operand whose shape or dtype does not match the plan's or whose dtype or package differs from the
-    other ranks' operands. A ``ValueError``, as ``nvmath.distributed`` raises there (and, as before, an
-    :class:`UnsupportedOperandError`)."""
+    """An operand whose shape or dtype does not match the plan's, whose dtype, package or GPU memory layout
+    differs from the other ranks' operands, or whose shape or dtype was changed in place since the plan took it. A
+    ``ValueError``, as ``nvmath.distributed`` raises there (and, as before, an :class:`UnsupportedOperandError`)."""
 
 
 class SymmetricMemoryError(PGASError, ValueError):
@@ -101,7 +101,8 @@ class CollectiveMismatchError(CollectiveError):
 
 class DeviceError(CollectiveError):
     """A PE's CUDA context holds an error that does not go away (a kernel's illegal address is sticky), found
-    before a collective step and raised on every rank. The world cannot be used any more: every later call of
+    before a collective step and raised on every rank (with an MPI control plane; a world brought up from a
+    unique id raises it on the broken PE, see docs/design.md). The world cannot be used any more: every later call of
     its engine raises this too, ``finalize()`` releases nothing on the device, and the processes must restart
     to use their GPUs again."""
 

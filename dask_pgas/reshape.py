@@ -285,7 +285,8 @@ class Reshape:
             and launches no stream work here.
 
     The result of :meth:`execute` is a new array of the output box's shape, of the operand's package (a torch CPU
-    tensor for a torch CPU operand, which is moved as its NumPy view), in the operand's memory order. When the
+    tensor for a torch CPU operand, which is moved as its NumPy view), in the plan's memory order: F where every
+    rank's operand is F-ordered, else C. When the
     operand is symmetric memory the result is symmetric memory too (padded to the largest output box) and must be
     freed with :func:`dask_pgas.free_symmetric_memory`.
 
@@ -896,7 +897,8 @@ class RedistributeOptions(ReshapeOptions):
 class Redistribute(Reshape):
     """nvmath 1.0's name for :class:`Reshape` (``nvmath.distributed.distribution.Redistribute``): the same object,
     with the distributions named ``input_distribution`` and ``output_distribution``. A distribution is a
-    :class:`Box` (or a ``(lower, upper)`` pair), as for :class:`Reshape`."""
+    :class:`Box` (or a ``(lower, upper)`` pair), or a :class:`~dask_pgas.distribution.Slab` on every rank, as for
+    :class:`Reshape`."""
 
     def __init__(
         self,

@@ -5,8 +5,8 @@ Mirrors ``nvmath.distributed.initialize``. Each backend named in ``backends`` ge
 * ``"mpi"``: CPU ranks of an mpi4py communicator; symmetric memory is NumPy;
 * ``"nvshmem"``: one GPU per process; symmetric memory is CuPy or torch on the NVSHMEM heap.
 
-NumPy operands use the ``"mpi"`` engine when it is up, else they are staged through the ``"nvshmem"`` engine;
-CuPy/torch operands need ``"nvshmem"``.
+NumPy operands (and torch CPU tensors, moved as their NumPy views) use the ``"mpi"`` engine when it is up, else
+they are staged through the ``"nvshmem"`` engine; CuPy arrays and torch CUDA tensors need ``"nvshmem"``.
 """
 
 from __future__ import annotations
@@ -201,7 +201,8 @@ def initialize(
         communicator: the same, by the name nvmath's earlier releases gave it (give one of the two).
         backends: backends to start, from ``"mpi"`` and ``"nvshmem"``. Default: the environment variable
             ``DASK_PGAS_BACKEND`` (a name, or names separated by commas) where it is set; else ``["nvshmem"]``
-            when a GPU and the NVSHMEM/cuFFTMp libraries are present on every rank, else ``["mpi"]``.
+            when a GPU, CuPy or torch, and the NVSHMEM/cuFFTMp libraries are present on every rank, else
+            ``["mpi"]``.
             ``"nccl"`` (which nvmath's examples pass for its distributed matmul) is accepted and ignored, with a
             warning.
 
@@ -211,6 +212,8 @@ def initialize(
 
     Raises:
         RuntimeStateError: already initialized on some rank (call :func:`finalize` first).
+        CollectiveMismatchError: called again in a running world while other ranks are in another collective
+            call (raised on every rank of the world).
         BackendUnavailableError: different backends on different ranks, or a backend that cannot run here (on
             any rank); says which rank and what is missing. An unknown or empty ``backends`` raises its
             subclass :class:`UnknownBackendError`, also a ``ValueError`` (as nvmath's).
