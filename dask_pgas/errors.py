@@ -101,10 +101,10 @@ class CollectiveMismatchError(CollectiveError):
 
 class DeviceError(CollectiveError):
     """A PE's CUDA context holds an error that does not go away (a kernel's illegal address is sticky), found
-    before a collective step and raised on every rank (with an MPI control plane; a world brought up from a
-    unique id raises it on the broken PE, see docs/design.md). The world cannot be used any more: every later call of
-    its engine raises this too, ``finalize()`` releases nothing on the device, and the processes must restart
-    to use their GPUs again."""
+    before a collective step and raised on every rank (with an MPI control plane; in a world brought up from a
+    unique id the broken PE fails alone, in the agreement's own device copy: see docs/design.md). The world
+    cannot be used any more: every later collective call of its engine raises this too, ``finalize()`` releases
+    nothing on the device, and the processes must restart to use their GPUs again."""
 
 
 class SymmetricMemoryLeakWarning(UserWarning):

@@ -5,7 +5,8 @@
 * :mod:`.cufftmp`: cuFFTMp's reshape (``libcufftMp.so.11``/``.12`` from ``nvidia-cufftmp-cu12``/``-cu13``).
 
 These are the only modules of dask_pgas that import :mod:`ctypes`. Every loader raises
-:class:`LibraryNotFound` (an ImportError) naming the missing library or symbol and the package extra that provides it.
+:class:`LibraryNotFound` (an ImportError) naming the missing library or symbol, and for the wheels' libraries the
+package extra that provides it.
 """
 
 from __future__ import annotations

@@ -41,7 +41,11 @@ class CudaDriver:
             "cuDeviceGetPCIBusId": [ctypes.c_char_p, c_int, c_int],
         }
         for name, args in sigs.items():
-            fn = getattr(lib, name)
+            try:
+                fn = getattr(lib, name)
+            except AttributeError:
+                raise LibraryNotFound(f"the CUDA driver (libcuda.so.1) has no {name}: update the NVIDIA driver"
+                                      ) from None
             fn.argtypes = args
             fn.restype = c_int
         self._init = False
@@ -92,7 +96,8 @@ class CudaDriver:
                            "cuMemcpyAsync")
 
     def mem_get_info(self) -> tuple[int, int]:
-        """(free, total) bytes of the current device, as ``cudaMemGetInfo`` counts them (every process's use)."""
+        """(free, total) bytes of the device made current by :meth:`make_current`, as ``cudaMemGetInfo`` counts
+        them (every process's use)."""
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
         with self.current():
             self.check(self.lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)), "cuMemGetInfo")

@@ -1,7 +1,7 @@
 """ctypes binding of cuFFTMp's distributed reshape (``libcufftMp.so.12`` of ``nvidia-cufftmp-cu13``,
 ``libcufftMp.so.11`` of ``nvidia-cufftmp-cu12``).
 
-Traps handled here (see the project notes): the exported ``cufftMpMakeReshape`` is the OLD ABI, so
+Traps handled here: the exported ``cufftMpMakeReshape`` is the OLD ABI, so
 ``__cufftMpMakeReshape_11_4`` (strides beside the boxes) is bound; the library is loaded with
 ``RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND`` because it exports the same ``cufft*`` names as ``libcufft`` (which CuPy or
 torch may have loaded); NVSHMEM's host library is loaded first (RTLD_GLOBAL) so cuFFTMp shares it.
@@ -18,7 +18,6 @@ from . import nvshmem as _nvshmem
 
 __all__ = ["CUFFT_COMM_NONE", "CuFFTMp", "CuFFTMpError", "library_path", "load"]
 
-CUFFT_COMM_MPI = 0
 CUFFT_COMM_NONE = 1
 
 # cufftResult (cufft.h): 10, 12 and 15 exist in CUDA 12 only, 17-20 in CUDA 13 only; no value changed meaning

@@ -56,9 +56,6 @@ class ControlPlane(ABC):
         _check_calls(everything)
         return [(r, e) for r, (_, _, e) in enumerate(everything) if e]
 
-    def bcast(self, obj: Any, root: int = 0) -> Any:
-        return self.allgather(obj if self.rank == root else None)[root]
-
     def number(self, kind: str) -> int:
         """The next number (0, 1, ...) of ``kind`` in this world. Local: objects every rank makes collectively
         (symmetric allocations, Reshape objects) get the same number on every rank of this world, whatever
@@ -181,7 +178,8 @@ class Engine(ABC):
     name: ClassVar[str]
     #: array packages this engine allocates symmetric memory for, e.g. ("numpy",) or ("cupy", "torch")
     packages: ClassVar[tuple[str, ...]]
-    #: array packages accepted as reshape operands (may include staged ones, e.g. numpy on a GPU engine)
+    #: array packages accepted as reshape operands besides ``packages`` (host arrays on the MPI engine, staged
+    #: through the heap on a GPU engine: numpy)
     operand_packages: ClassVar[tuple[str, ...]]
 
     control: ControlPlane
@@ -208,7 +206,8 @@ class Engine(ABC):
     requires_symmetric_operands: ClassVar[bool] = False
 
     #: why this engine cannot be used any more (a device error agreed on every rank), else None; set on every
-    #: rank alike, after which every call of the engine raises :class:`~dask_pgas.errors.DeviceError`
+    #: rank alike (with an MPI control plane), after which every collective call of the engine raises
+    #: :class:`~dask_pgas.errors.DeviceError` (``finalize`` returns without touching the device)
     _broken: str | None = None
 
     @property

@@ -2,7 +2,8 @@
 
 The plan lays out, once, the piece this rank sends each peer (a box of the local input) and the piece it receives
 (a box of the local output): contiguous pieces as element runs at a byte offset, strided receive pieces as subarray
-datatypes, strided send pieces packed first or as subarray types (:func:`_pack_strided_sends`); ``execute`` is then
+datatypes, strided send pieces as subarray types or packed first (:func:`_pack_strided_sends`: then every send
+piece is packed, as ``Alltoallw`` takes one send buffer); ``execute`` is then
 a single ``Alltoallw`` plus a NumPy copy of the piece that stays on this rank. Element types come from
 ``mpi4py.util.dtlib`` when it covers every byte of an element, raw bytes otherwise.
 """
@@ -52,9 +53,6 @@ class MPIControl(ControlPlane):
         if flags[0] or flags[1] != -flags[2]:
             return super().agree(error, call, same)
         return []
-
-    def bcast(self, obj: Any, root: int = 0) -> Any:
-        return self.comm.bcast(obj, root=root)
 
     def free(self) -> None:
         from mpi4py import MPI
@@ -120,7 +118,8 @@ def _large_counts() -> bool:
 
 
 def _pack_strided_sends() -> bool:
-    """Whether this rank's plans pack strided send pieces into a contiguous buffer first.
+    """Whether this rank's plans pack their send pieces into a contiguous buffer first when any is strided (all of
+    them: ``Alltoallw`` takes one send buffer).
 
     ``DASK_PGAS_MPI_PACK``: ``always``, ``never`` or ``auto`` (the default: pack except under Open MPI). MPICH
     sends strided subarrays several times slower than it receives them (0.92 s against 0.14 s for the two
@@ -139,9 +138,9 @@ def _pack_strided_sends() -> bool:
 
 
 class MPIReshapePlan(ReshapePlan):
-    """One ``Alltoallw`` per execute. Pieces contiguous in memory travel as plain element runs; strided send
-    pieces are packed first into a buffer of the plan where the MPI library sends them slowly (see
-    :func:`_pack_strided_sends`); strided receive pieces use subarray datatypes."""
+    """One ``Alltoallw`` per execute. Pieces contiguous in memory travel as plain element runs; where a send
+    piece is strided and the MPI library sends those slowly, every send piece is packed first into a buffer of
+    the plan (one send buffer; see :func:`_pack_strided_sends`); strided receive pieces use subarray datatypes."""
 
     def __init__(self, engine: MPIEngine, spec: ReshapeSpec) -> None:
         from mpi4py import MPI
@@ -207,7 +206,8 @@ class MPIReshapePlan(ReshapePlan):
             raise UnsupportedOperandError(
                 f"rank {me}'s pieces need Alltoallw counts or byte offsets up to {worst}; {library} (MPI "
                 f"{'.'.join(map(str, MPI.Get_version()))}) takes them as C ints, up to 2**31 - 1: use more ranks "
-                "(smaller boxes) or an MPI 4 library (MPICH 4, Open MPI 5)"
+                "(smaller boxes) or an MPI 4 library (MPICH 4 or later, e.g. the mpich wheel; Open MPI 5 is still an "
+                "MPI 3.1)"
             )
 
     def _subarray(self, base, whole, piece, order):

@@ -107,7 +107,9 @@ class NVSHMEMSettings:
     * ``heap_limit``: the bytes this engine lets its blocks reach on one PE. NVSHMEM 3.4 ends the process when
       its heap cannot grow (measured on the H200, docs/gpu-validation.md), so the engine refuses, on every PE
       alike, an allocation that would pass NVSHMEM's cap: ``NVSHMEM_MAX_MEMORY_PER_GPU`` (default 128 GiB) less
-      two ``NVSHMEM_CUMEM_GRANULARITY`` (default 512 MiB) for NVSHMEM's own blocks and its rounding. A fixed
+      two ``NVSHMEM_CUMEM_GRANULARITY`` (default 512 MiB) for NVSHMEM's own blocks and its rounding. (The
+      engine's blocks: the control plane's small buffer and cuFFTMp's own allocations inside its plan are not
+      counted, which is what that margin is for.) A fixed
       heap (``NVSHMEM_DISABLE_CUDA_VMM``) only returns NULL when full (round 13d: it even holds about 384 MiB
       more than asked), so there the limit is ``NVSHMEM_SYMMETRIC_SIZE`` itself (default 1 GiB): what the user
       asked for, and a NULL below it still raises ``MemoryError`` on every PE alike.
@@ -207,7 +209,8 @@ def stream_handle(stream: Any, package: str | None = None, device: int | None = 
         value = getattr(stream, attr, None)
         if value is not None:
             return int(value)
-    raise TypeError(f"stream must be a CuPy or torch stream or an int handle, not {type(stream).__name__}")
+    raise TypeError(f"stream must be a CuPy, torch or cuda.core stream (or an object with __cuda_stream__, .ptr or "
+                    f".handle) or an int handle, not {type(stream).__name__}")
 
 
 def _ptr(array: Any) -> int:
@@ -255,7 +258,7 @@ def _torch_dtype(torch: Any, dtype: Any) -> Any:
     return out
 
 
-def _word_view(ptr: int, shape: Sequence[int], itemsize: int, device: int, owner: Any = None) -> Any:
+def _word_view(ptr: int, shape: Sequence[int], itemsize: int, device: int) -> Any:
     """A C-ordered device array of ``shape`` + (words,) over raw memory, with the widest integer word that
     divides ``itemsize`` (for copies of any element type). CuPy if installed, else torch."""
     word = next(w for w in (8, 4, 2, 1) if itemsize % w == 0)
@@ -264,11 +267,11 @@ def _word_view(ptr: int, shape: Sequence[int], itemsize: int, device: int, owner
     if importlib.util.find_spec("cupy") is not None:
         import cupy
 
-        mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner, device_id=device)
+        mem = cupy.cuda.UnownedMemory(ptr, nbytes, None, device_id=device)
         return cupy.ndarray(full, dtype=f"<i{word}", memptr=cupy.cuda.MemoryPointer(mem, 0))
     import torch
 
-    t = torch.as_tensor(_CAI(ptr, nbytes, owner), device=f"cuda:{device}")
+    t = torch.as_tensor(_CAI(ptr, nbytes, None), device=f"cuda:{device}")
     return t.view(getattr(torch, TORCH_INTS[word])).view(full)
 
 
@@ -373,7 +376,8 @@ class NVSHMEMControl(ControlPlane):
                 capacity = 1 << (need - 1).bit_length()
                 try:
                     self.buf = self.nv.malloc(2 * capacity)
-                except MemoryError:  # on every PE alike (symmetric heap): keep a working control plane
+                except MemoryError:  # (a fixed heap's NULL, on every PE alike; a growing heap ends the process
+                    # instead, see NVSHMEMSettings) keep a working control plane
                     self.buf = self.nv.malloc(2 * self.capacity)
                     raise
                 self.capacity = capacity
@@ -648,7 +652,9 @@ class NVSHMEMEngine(Engine):
         """Collective: wait for the device (like ``cudaFree``, no stream may still use memory about to be freed or
         reused) and agree on the outcome, so that a PE whose context holds an error (a kernel's illegal address
         is sticky) raises with every other PE instead of leaving them inside the collective free alone. Then
-        every PE raises :class:`DeviceError`, and from then on at every call of this engine. The agreement is
+        every PE raises :class:`DeviceError`, and from then on at every collective call of this engine (with an
+        MPI control plane: in a unique-id world the agreement itself goes through the device, so the broken PE
+        raises alone and its peers wait for the Dask watchdog; see docs/design.md). The agreement is
         named, so that a PE freeing alone meets the others' other steps as a mismatch, not as a match."""
         self._refuse_if_broken()
         # named like a call (not a step): every PE compares the name, a PE whose synchronize failed too
@@ -728,7 +734,7 @@ class NVSHMEMEngine(Engine):
 
     def resolve_stream(self, stream: Any, package: str) -> Any:
         """The raw handle of ``stream`` (default: the package's current stream); None for host operands, which
-        are staged on the engine's own stream."""
+        are staged with synchronous copies."""
         return None if package == "numpy" else stream_handle(stream, package, self.device)
 
     def on_heap(self, array: Any) -> bool:
@@ -874,10 +880,11 @@ class NVSHMEMReshapePlan(ReshapePlan):
         elif engine.peers_mapped:
             self.mode = "peer"
         else:
-            raise UnsupportedOperandError(
-                (reason or "cuFFTMp does not accept boxes that are empty on some ranks")
-                + " (and the peer-copy fallback needs every PE's heap mapped, i.e. one node)"
-            )
+            if reason is None:  # (a valid layout that a setting sent to peer copies)
+                reason = ("DASK_PGAS_NVSHMEM_RESHAPE=peer sends this reshape to peer copies" if settings.force_peer
+                          else "DASK_PGAS_EMPTY_VIA_PEER=1 sends this reshape (some boxes are empty) to peer copies")
+            raise UnsupportedOperandError(f"{reason} (and the peer-copy fallback needs every PE's heap mapped, i.e. "
+                                          "one node)")
         _trace(spec.rank, f"plan mode={self.mode} in={spec.input_box} out={spec.output_box} "
                           f"word={self.layout.word_size if self.layout else None}")
         if self.mode == "cufftmp":
@@ -1097,7 +1104,7 @@ _left_up_by: str | None = None
 
 
 def _trace(rank: int, msg: str) -> None:
-    """``DASK_PGAS_NVSHMEM_TRACE=1``: one line per plan and host execution on stderr (diagnosing hangs)."""
+    """``DASK_PGAS_NVSHMEM_TRACE=1``: diagnostic lines for plans and executions on stderr (diagnosing hangs)."""
     if os.environ.get("DASK_PGAS_NVSHMEM_TRACE") == "1":
         print(f"[dask_pgas nvshmem pe {rank}] {msg}", file=sys.stderr, flush=True)
 
@@ -1130,13 +1137,10 @@ def get_nvshmem_uniqueid(device_id: int | None = None, *, single_node: bool | No
     ``NVSHMEM_DISABLE_NVLS=1`` unless the user set it to ``0``, and with ``single_node=True``
     ``NVSHMEM_REMOTE_TRANSPORT=none`` and ``NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo`` where the user has not set them.
     """
-    from ..bindings import nvshmem
-    from ..bindings.cuda import driver
-
     apply_env_defaults(single_node)
-    drv = driver()
-    drv.make_current(0 if device_id is None else device_id)
-    return nvshmem.load().get_uniqueid()
+    # (the bring-up's local steps: refused where NVSHMEM was left up, as every bring-up is)
+    _, nv = _local_steps(0 if device_id is None else device_id)
+    return nv.get_uniqueid()
 
 
 def check_uniqueid_bring_up(
@@ -1176,6 +1180,10 @@ def initialize_from_uniqueid(
         rank, nranks: this process's PE number and the number of PEs.
         device_id: CUDA device (default ``rank`` modulo the visible devices).
         single_node: all ranks on one host: set the single-node NVSHMEM defaults.
+
+    NVSHMEM's init has no agreement before it: a rank whose local steps fail here raises alone and leaves the
+    others inside the init. Where the ranks can talk, run :func:`check_uniqueid_bring_up` on every rank first
+    and call this only when all of them passed (as :func:`dask_pgas.bootstrap` does).
     """
     from .. import runtime
 

@@ -1,4 +1,5 @@
-"""Checks on sets of boxes: does a list of per-rank boxes tile one global domain exactly?"""
+"""Checks on sets of boxes (does a list of per-rank boxes tile one global domain exactly?) and where a box lies
+contiguously inside another (:func:`contiguous_offset`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 
 from ..distribution import Box
 
-__all__ = ["bounding_box", "tiling_error"]
+__all__ = ["bounding_box", "contiguous_offset", "tiling_error"]
 
 
 def bounding_box(boxes: Sequence[Box]) -> Box | None:

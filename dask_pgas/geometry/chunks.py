@@ -148,7 +148,7 @@ def _bisect(
         out.extend([(lo, up)] + [(lo, lo)] * (npes - 1))
         return
     share = (npes // 2) / npes
-    best = None  # (error, -chunks on axis, axis, cut)
+    best = None  # (not the preferred axis, error, -chunks on axis, axis, cut)
     for ax, b in enumerate(bounds):
         if ext[ax] < 2:
             continue
@@ -289,8 +289,8 @@ def _plan_cached(chunks_in: Chunks, chunks_out: Chunks, npes: int, locs: tuple) 
     if shape != tuple(sum(c) for c in chunks_out):
         raise ValueError(f"input chunks cover shape {shape}, output chunks {tuple(sum(c) for c in chunks_out)}")
     out_boxes = bisect_boxes(chunks_out, npes, split_chunks=False)
-    # candidate input decompositions: balanced, or slabs along each axis; the one that moves the fewest bytes
-    # (Dask's moves weighted by DASK_BYTE_COST, the collective's) wins, the balanced one on a tie
+    # candidate input decompositions: balanced, or (up to 64 PEs) slabs along each axis; the one that moves the
+    # fewest bytes (Dask's moves weighted by DASK_BYTE_COST, the collective's) wins, the balanced one on a tie
     owner_grid = None
     if locs:
         owner_grid = np.full(tuple(len(c) for c in chunks_in), -1, dtype=np.int64)

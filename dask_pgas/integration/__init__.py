@@ -1,7 +1,8 @@
 """Dask integration: a PGAS world on a Dask cluster and ``rechunk`` as one collective reshape.
 
-The ``pgas.*`` config defaults are registered by ``import dask_pgas``; this package never patches Dask (see
-:func:`install`).
+The ``pgas.*`` config defaults are registered by ``import dask_pgas``. Importing this package patches nothing:
+:func:`install` patches ``dask.array.rechunk`` on request, and the scheduler plugin (registered by
+:func:`bootstrap`) guards the scheduler's ``retire_workers`` handler.
 """
 
 from __future__ import annotations

@@ -99,14 +99,18 @@ def bootstrap(client=None, *, backends=None, timeout=None) -> World:
     """Bring up the PGAS runtime on every worker of ``client``'s cluster and fix the world (idempotent).
 
     Registers the scheduler and worker plugins (idempotent, so several clients may call this), then, unless
-    an intact world exists already, orders the workers by MPI rank and initializes the runtime on each (on its
+    an intact world exists already, orders the workers by MPI rank (by name when they are not one MPI job) and
+    initializes the runtime on each (on its
     collective thread): a workers-only MPI communicator, or an NVSHMEM unique id handed out by the scheduler
     when the workers are not one MPI job. ``backends`` defaults to config ``pgas.backends`` of this process
     (when null, the scheduler's), ``timeout`` to ``pgas.bootstrap-timeout`` of this process. Returns the
     :class:`World`.
 
     Raises:
-        ValueError: ``timeout`` (or config ``pgas.bootstrap-timeout``) is not a positive duration.
+        ValueError: ``timeout`` (or config ``pgas.bootstrap-timeout``) is not a positive duration, or config
+            ``pgas.backends`` is not a backend name or list of them.
+        PGASWorldError: the scheduler refused or the bring-up failed (the message says why, naming the worker).
+        TypeError: called on the event loop of an asynchronous ``Client`` (run it in a thread).
     """
     if backends is None:  # this process's config (a key set with dask.config.set here)
         backends = setting("backends")
@@ -201,8 +205,8 @@ def teardown(client=None) -> dict[str, int]:
         result = _ask(client, "pgas_teardown", **({"fence": fence} if fence is not None else {}))
     except PGASWorldError as exc:  # the world may be there still
         raise PGASWorldError(f"{exc}; the world was not torn down") from None
-    except Exception as exc:
-        raise PGASWorldError(f"no PGAS world to tear down ({exc}); call dask_pgas.bootstrap(client)") from None
+    except Exception as exc:  # (the scheduler's handler raised: the world may still be up)
+        raise PGASWorldError(f"the scheduler's teardown failed ({exc!r}); the world may still be up") from None
     if result["status"] != "OK":
         raise PGASWorldError(f"dask_pgas.teardown failed: {result['message']}")
     return {w: r["heap"].get("bytes", 0) + r["buffer_bytes"] for w, r in result["workers"].items()}

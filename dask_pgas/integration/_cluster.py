@@ -5,7 +5,8 @@ The scheduler runs as a subprocess (``python -m distributed.cli.dask_scheduler``
 interpreter or on ``PATH``. Output of both goes to log files (``cluster.logs()``), so closing prints nothing.
 On start the PGAS world is bootstrapped (``bootstrap=False`` to skip). ``close()`` tears the world down
 collectively, shuts the scheduler and workers down and kills whatever is left: no processes stay behind, and
-if the launching process dies without closing, the scheduler and workers notice within a second and exit.
+if the launching process dies without closing, the scheduler and workers notice within a second and exit a
+few seconds later.
 The worker ranks unlink MPICH's per-job shared-memory file in ``/dev/shm`` as soon as MPI is up, so that a
 killed job leaves none behind.
 A cluster that is dropped without ``close()`` (garbage-collected, or the interpreter exits) has its processes
@@ -556,7 +557,7 @@ class LocalMPICluster:
         return "\n".join(f"--- {name} ---\n{text}" for name, text in self.get_logs().items())
 
     def worker_pids(self) -> list[int]:
-        """PIDs of the MPI worker processes (children of mpiexec)."""
+        """PIDs of the MPI worker processes (children of mpiexec, or of its per-node proxy)."""
         pids = []
         try:
             out = subprocess.run(["pgrep", "-P", str(self._workers.pid)], capture_output=True, text=True).stdout

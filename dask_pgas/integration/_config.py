@@ -1,6 +1,6 @@
 """The ``pgas.*`` Dask config keys, read and checked in one place (defaults in ``dask_pgas/pgas.yaml``).
 
-Each reader raises a ``ValueError`` that names the key and what it takes, so a bad value fails where it is read
+:func:`setting` raises a ``ValueError`` that names the key and what it takes, so a bad value fails where it is read
 (the client when it builds a rechunk, a worker's run, which every PE then agrees on) instead of deep inside.
 Strings are read as Dask reads environment variables (``dask.config.interpret_value``) and durations and sizes
 with Dask's parsers.
@@ -114,7 +114,7 @@ def setting(key: str) -> Any:
     read, takes = _KEYS[key]
     value = dask.config.get(f"pgas.{key}", _MISSING)
     if value is _MISSING:
-        # a ``dask.config.set({"pgas.<key>": ...})`` block around the integration's first import removes the
+        # a ``dask.config.set({"pgas.<key>": ...})`` block around dask_pgas's first import removes the
         # whole pgas section on exit, the defaults with it: put the missing defaults back (user values stay)
         dask.config.update(dask.config.config, DEFAULTS, priority="old")
         value = dask.config.get(f"pgas.{key}")

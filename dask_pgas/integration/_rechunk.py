@@ -6,13 +6,15 @@
     ───────────────────────        ──────────────────────────────────────           ─────────────────────────
     x[0,0] x[0,1] ──┐
     x[1,0] x[1,1] ──┼─► transfer(pe): refs to the chunks of the PE's input Box (Dask moves only
-       ...          │   chunks not already there: boxes are chunk-aligned and owner-aware)
+       ...          │   chunks not already there: boxes are owner-aware, output boxes chunk-aligned;
+                    │   an input box may cut a chunk, and then only the piece travels)
                     │          │ x P
                     │          │ the last one in memory ──► scheduler plugin: run id + global seq,
                     │          │                            pgas_start(seq) to every PE ─┐
                     │          ▼                                                         ▼
                     │   collective thread (one per worker, runs in seq order; not a task slot):
-                    │     pack chunks -> symmetric input buffer (zero copy when one chunk IS the box)
+                    │     pack chunks -> symmetric input buffer (NVSHMEM) or local scratch (MPI: no copy
+                    │       when one C-contiguous chunk IS the box)
                     │     plan.execute: ONE Alltoallw / NVSHMEM reshape   input Box[pe] ──► output Box[pe]
                     │     (watchdog: pgas.collective-timeout; a lost PE fails the run at once)
                     │          │
@@ -215,11 +217,13 @@ def rechunk(
                          "cannot have one (its workers must be the ranks of one MPI job, or GPU workers).", *args)
     if package == "cupy" and "nvshmem" not in world["backends"]:
         return _fallback(x, chunks, "CuPy chunks need the 'nvshmem' backend on GPU workers",
-                         "Bootstrap GPU workers with backends=['nvshmem'].", *args)
+                         "Tear this world down (dask_pgas.teardown(client)) and bootstrap GPU workers with "
+                         "backends=['nvshmem'].", *args)
     if package == "numpy" and "mpi" not in world["backends"]:
         return _fallback(x, chunks, "NumPy chunks on a GPU-only world",
-                         "Bootstrap with backends=['nvshmem', 'mpi'] or use CuPy chunks (x.map_blocks(cupy.asarray)).",
-                         *args)
+                         "Use CuPy chunks (x.map_blocks(cupy.asarray)), or tear this world down "
+                         "(dask_pgas.teardown(client)) and bootstrap with backends=['nvshmem', 'mpi'] (workers that "
+                         "are the ranks of one MPI job).", *args)
     if balance:
         target = tuple(_balance_chunksizes(c) for c in target)
     npes = len(world["workers"])

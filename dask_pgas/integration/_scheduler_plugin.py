@@ -1,15 +1,18 @@
 """The scheduler side: the PGAS world (PE <-> worker), task pinning, the global order of collectives, failures.
 
-* ``pgas_bootstrap`` fixes the world (workers ordered by MPI rank), and brings the runtime up on every member
-  (a workers-only communicator, or an NVSHMEM unique id made on PE 0 and handed to all);
+* ``pgas_bootstrap`` fixes the world (workers ordered by MPI rank; by name when they are not one MPI job), and
+  brings the runtime up on every member (a workers-only communicator, or an NVSHMEM unique id made on PE 0 and
+  handed to all);
 * ``update_graph`` pins transfer and output tasks of pgas rechunks to their PE's worker
   (``worker_restrictions``, ``loose_restrictions=False``) before the scheduler transitions them;
 * the ``transition`` hook starts a run the moment the last transfer task of a rechunk is in memory: it numbers
   the run and tells every member to run it; members run collectives strictly in that order on their collective
-  thread. ``pgas_barrier`` (called by the barrier task) returns the run's result (starting the run
-  if needed). A watchdog fails the run when it does not end within ``pgas.collective-timeout``;
-* ``remove_worker`` fails in-flight runs at once, marks the world broken and errs tasks pinned to the lost
-  worker (they could never run); ``valid_workers_downscaling`` keeps members from being retired.
+  thread. ``pgas_barrier`` (called by the barrier task) returns the run's number at once (starting the
+  run if needed; a run that already failed fatally returns its error). A watchdog fails the run when it does
+  not end within ``pgas.collective-timeout``;
+* ``remove_worker`` fails in-flight runs at once, marks the world broken, errs the barriers and the tasks pinned
+  to the lost worker that wait for it (no-worker), and unpins the rest (they fail where they run);
+  ``valid_workers_downscaling`` and a guarded ``retire_workers`` keep members from being retired.
 """
 
 from __future__ import annotations
@@ -318,13 +321,15 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             elif backends == ["nvshmem"]:
                 order = sorted(workers, key=lambda w: (infos[w]["name"], w))
             else:
+                everywhere = set.intersection(*(set(i["available"]) for i in infos.values()))
                 return {
                     "status": "error",
                     "message": "the workers are not processes of one MPI job"
                     + (f" (their MPI jobs have sizes {sizes})" if len(sizes) > 1 else "")
-                    + " and the 'nvshmem' backend is not available on all of them: start the workers with "
-                    "dask_pgas.LocalMPICluster, dask-mpi (--worker-class distributed.Worker) or one mpiexec, or use "
-                    "GPU workers with NVSHMEM",
+                    + (f", and such workers run backends=['nvshmem'] only (not {backends})" if "nvshmem" in everywhere
+                       else " and the 'nvshmem' backend is not available on all of them")
+                    + ": start the workers with dask_pgas.LocalMPICluster, dask-mpi (--worker-class "
+                    "distributed.Worker) or one mpiexec, or use GPU workers with NVSHMEM",
                 }
             # A previous world is torn down collectively first (and ends before: no run may start on it): an intact
             # one, or a broken one whose members are all still here, none inside a collective (none is poisoned,
@@ -455,9 +460,9 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                     self.world, self.backends = (), ()
                     return {"status": "error", "message": f"the world is broken ({broken}) and a member left or "
                             "is stuck inside a collective, so it cannot be torn down collectively; it is dropped. "
-                            "dask_pgas.bootstrap(client) builds a new world from the workers there are now (a "
-                            "LocalMPICluster restarts a lost worker job by itself); workers stuck in the old "
-                            "collective refuse it, and then the cluster must be restarted"}
+                            "Restart the workers that still hold it (client.restart(), or restart the cluster; a "
+                            "LocalMPICluster restarts a lost worker job by itself), then dask_pgas.bootstrap(client) "
+                            "builds a new world: those workers refuse it until then"}
             # the world ends now, before the members finalize: a rechunk whose last transfer task lands
             # meanwhile gets a clear error instead of a run on PEs that are tearing down
             self.world = ()
@@ -609,18 +614,21 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         start request's closed connection)."""
         return f"worker {worker} (PE {self.world.index(worker)}) left the PGAS world"
 
-    def _break(self, message: str) -> None:
+    def _break(self, message: str, *, lost: bool = False) -> None:
+        """``lost``: a member left; the others cannot tear the world down without it."""
         if self.broken:
             return
         inside = bool(self._in_flight())
         self.broken = (
             f"{message}. The PGAS world #{self.epoch} is broken; the input arrays stay computable with "
             "method='tasks'/'p2p'. "
-            + "dask_pgas.bootstrap(client) builds a new world from the workers there are now"
-            + (", and refuses any still blocked inside the collective (MPI collectives cannot be cancelled): "
-               "those must be restarted (close the cluster and start a new one; a LocalMPICluster whose worker "
-               "died restarts its workers by itself)" if inside else
-               " (it says so when one of them must be restarted first)")
+            + ("Restart the workers that still hold it (client.restart(), or close the cluster and start a new one; "
+               "a LocalMPICluster whose worker died restarts its workers by itself), then "
+               "dask_pgas.bootstrap(client) builds a new world: they refuse it until then" if lost else
+               "dask_pgas.bootstrap(client) builds a new world from the workers there are now"
+               + (", and refuses any still blocked inside the collective (MPI collectives cannot be cancelled): "
+                  "those must be restarted (close the cluster and start a new one)" if inside else
+                  " (it says so when one of them must be restarted first)"))
         )
         logger.error("dask_pgas: %s", self.broken)
         for run in self._in_flight():
@@ -717,7 +725,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             logger.info("dask_pgas: the scheduler is closing; PGAS world #%d ends with it", self.epoch)
             self.world, self.backends = (), ()
             return
-        self._break(self._left(worker))
+        self._break(self._left(worker), lost=True)
         exc = PGASWorldError(self.broken)  # every member's removal re-checks: tasks may have moved meanwhile
         recs: dict = {}
         for key, addr in list(self._pinned.items()):

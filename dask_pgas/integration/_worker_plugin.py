@@ -435,7 +435,7 @@ class PGASWorkerPlugin(WorkerPlugin):
     def take(self, name: str, pe: int, epoch: int, npes: int, box_slices: tuple, whole: bool, run: int) -> Any:
         """This PE's slice of run ``run``'s output box; waits for the run to end here.
 
-        Output tasks are released as soon as every transfer task is done (the run has been started then), so
+        Output tasks depend on the barrier task, which returns once the scheduler has started the run, so
         Dask dispatches them while the collective runs; they wait only for that running collective, never for
         other tasks, and a failed or broken run wakes them with its error.
         """
@@ -591,10 +591,11 @@ class PGASWorkerPlugin(WorkerPlugin):
             lambda: dask_pgas.get_nvshmem_uniqueid(WORKER_DEVICE, single_node=single_node)))
 
     def _h_forget(self, name: str, run: int | None = None, epoch: int | None = None) -> None:
-        """Dask is done with rechunk ``name`` (its barrier task was released or forgotten): drop what it staged
-        here and the result of its run ``run``. A run that has not ended here yet (the rechunk was cancelled
-        while its collective ran) is marked dropped: it still runs in its turn, as every PE must, but keeps
-        nothing, and output tasks still waiting for it wake with an error."""
+        """Dask is done with rechunk ``name`` (its barrier task was released or forgotten, or erred: ``run``
+        None, staged input only): drop what it staged here and the result of its run ``run``. A run that has not
+        ended here yet (the rechunk was cancelled while its collective ran) is marked dropped: it still runs in
+        its turn, as every PE must, but keeps nothing, and output tasks still waiting for it wake with an
+        error."""
         with self._lock:  # (one lock with _signal: a run ends here either before this or after it)
             self._staged.pop(name, None)
             if run is not None and self._run_of.get(name) == run:
@@ -941,16 +942,14 @@ class PGASWorkerPlugin(WorkerPlugin):
         return tuple(self._buffers_of(needs, engine.packages[0], growth))
 
     def _prepare(self, spec: RunSpec, pieces: tuple, arrays: tuple, buffers: tuple | None) -> tuple[Any, Any]:
-        """Local: this PE's input box packed from its chunk pieces (zero copy when one C-contiguous chunk is the
-        box) and its output box, in the symmetric ``buffers`` if given; both checked against the plan's boxes
+        """Local: this PE's input box packed from its chunk pieces and its output box: in the symmetric
+        ``buffers`` when given (NVSHMEM), else in local scratch memory and a pooled NumPy array (MPI; no copy
+        when one C-contiguous chunk is the box); both checked against the plan's boxes
         and dtype, so that the engine's own check cannot fail after the run's agreement."""
         import numpy as np
 
-        from .. import runtime
-
         if spec.delay:
             time.sleep(spec.delay)
-        engine = runtime.engine_for_package(spec.package)
         dtype = np.dtype(spec.dtype)
         refuse_unmovable(arrays, dtype, spec.package)
         in_box = spec.input_boxes[self.pe]
@@ -969,9 +968,8 @@ class PGASWorkerPlugin(WorkerPlugin):
                 copy_piece(src, box_slices, arr, chunk_slices)
         if buffers:
             dst = buffers[1][: out_box.size * dtype.itemsize].view(dtype).reshape(out_box.box_shape)
-        else:
-            dst = (self._pool.empty(out_box.box_shape, dtype) if spec.package == "numpy"
-                   else engine.empty(out_box.box_shape, dtype, spec.package))
+        else:  # (an engine that takes operands off the heap: the MPI one, NumPy chunks)
+            dst = self._pool.empty(out_box.box_shape, dtype)
         for what, array, box in (("input", src, in_box), ("output", dst, out_box)):
             if tuple(array.shape) != box.box_shape or array.dtype != dtype:
                 raise ValueError(f"PE {self.pe}'s {what} box came out as {tuple(array.shape)} {array.dtype}; the "
