@@ -882,7 +882,8 @@ class NVSHMEMReshapePlan(ReshapePlan):
         else:
             if reason is None:  # (a valid layout that a setting sent to peer copies)
                 reason = ("DASK_PGAS_NVSHMEM_RESHAPE=peer sends this reshape to peer copies" if settings.force_peer
-                          else "DASK_PGAS_EMPTY_VIA_PEER=1 sends this reshape (some boxes are empty) to peer copies")
+                          else "DASK_PGAS_EMPTY_VIA_PEER=1 sends this reshape, whose boxes are empty on some ranks, "
+                          "to peer copies")
             raise UnsupportedOperandError(f"{reason} (and the peer-copy fallback needs every PE's heap mapped, i.e. "
                                           "one node)")
         _trace(spec.rank, f"plan mode={self.mode} in={spec.input_box} out={spec.output_box} "

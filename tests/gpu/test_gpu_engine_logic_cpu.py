@@ -95,8 +95,12 @@ def test_empty_via_peer_routes_empty_boxes_around_cufftmp(monkeypatch):
     full = _cufftmp_plan(monkeypatch, eng, (Box((0, 0), (4, 2)), Box((0, 2), (4, 4))), EMPTY_OUTS)
     assert full.mode == "cufftmp"
     eng.peers_mapped = False
-    with pytest.raises(UnsupportedOperandError, match="empty on some ranks"):
+    with pytest.raises(UnsupportedOperandError, match=r"DASK_PGAS_EMPTY_VIA_PEER=1 .* empty on some ranks"):
         _cufftmp_plan(monkeypatch, eng, EMPTY_INS, EMPTY_OUTS)
+    # a valid layout sent to peer copies by the setting that forces them: the refusal names that setting
+    eng.settings = dataclasses.replace(eng.settings, empty_via_peer=False, force_peer=True)
+    with pytest.raises(UnsupportedOperandError, match=r"DASK_PGAS_NVSHMEM_RESHAPE=peer sends this reshape"):
+        _cufftmp_plan(monkeypatch, eng, (Box((0, 0), (4, 2)), Box((0, 2), (4, 4))), EMPTY_OUTS)
 
 
 class _Recorder:
