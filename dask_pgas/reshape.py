@@ -286,9 +286,8 @@ class Reshape:
 
     The result of :meth:`execute` is a new array of the output box's shape, of the operand's package (a torch CPU
     tensor for a torch CPU operand, which is moved as its NumPy view), in the plan's memory order: F where every
-    rank's operand is F-ordered, else C. When the
-    operand is symmetric memory the result is symmetric memory too (padded to the largest output box) and must be
-    freed with :func:`dask_pgas.free_symmetric_memory`.
+    rank's operand is F-ordered, else C. When the operand is symmetric memory the result is symmetric memory too
+    (padded to the largest output box) and must be freed with :func:`dask_pgas.free_symmetric_memory`.
 
     :meth:`plan`, :meth:`reset_operand` and :meth:`execute` agree on their preconditions across ranks before any
     collective step, so a misuse on one rank (``execute()`` after ``free()`` or :meth:`release_operand`, with a

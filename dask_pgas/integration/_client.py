@@ -100,11 +100,10 @@ def bootstrap(client=None, *, backends=None, timeout=None) -> World:
 
     Registers the scheduler and worker plugins (idempotent, so several clients may call this), then, unless
     an intact world exists already, orders the workers by MPI rank (by name when they are not one MPI job) and
-    initializes the runtime on each (on its
-    collective thread): a workers-only MPI communicator, or an NVSHMEM unique id handed out by the scheduler
-    when the workers are not one MPI job. ``backends`` defaults to config ``pgas.backends`` of this process
-    (when null, the scheduler's), ``timeout`` to ``pgas.bootstrap-timeout`` of this process. Returns the
-    :class:`World`.
+    initializes the runtime on each (on its collective thread): a workers-only MPI communicator, or an NVSHMEM
+    unique id handed out by the scheduler when the workers are not one MPI job. ``backends`` defaults to config
+    ``pgas.backends`` of this process (when null, the scheduler's), ``timeout`` to ``pgas.bootstrap-timeout`` of
+    this process. Returns the :class:`World`.
 
     Raises:
         ValueError: ``timeout`` (or config ``pgas.bootstrap-timeout``) is not a positive duration, or config

@@ -99,6 +99,13 @@ def _why(reply: Any) -> str:
             "need the same")
 
 
+#: how a broken world is left, whatever broke it (a lost member can also be found first by a run's closed connection)
+_REBUILD = ("dask_pgas.bootstrap(client) builds a new world; workers that cannot leave this one (a member left, or "
+            "one is stuck inside a collective: MPI collectives cannot be cancelled) refuse it, saying so, and must be "
+            "restarted first (client.restart(), or close the cluster and start a new one; a LocalMPICluster whose "
+            "worker died restarts its workers by itself)")
+
+
 def _missing_ranks(infos: dict) -> set[int]:
     """Ranks of the workers' one MPI job without a worker here, beyond the ranks the job keeps for others (0 and
     1, dask-mpi's scheduler and client; none in LocalMPICluster's job); empty when the workers are not the ranks
@@ -284,13 +291,13 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                     "Restart the cluster (close it and start a new one).",
                 }
             ranks = {w: i["mpi_rank"] for w, i in infos.items()}
+            everywhere = set.intersection(*(set(i["available"]) for i in infos.values()))  # (backends all can run)
             if backends is None:
                 try:
                     backends = setting("backends")
                 except ValueError as exc:
                     return {"status": "error", "message": f"{exc} (on the scheduler)"}
             if backends is None:
-                everywhere = set.intersection(*(set(i["available"]) for i in infos.values()))
                 backends = ["nvshmem"] if "nvshmem" in everywhere else ["mpi"]
             backends = [backends] if isinstance(backends, str) else list(backends)
             processes: dict = {}
@@ -321,7 +328,6 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             elif backends == ["nvshmem"]:
                 order = sorted(workers, key=lambda w: (infos[w]["name"], w))
             else:
-                everywhere = set.intersection(*(set(i["available"]) for i in infos.values()))
                 return {
                     "status": "error",
                     "message": "the workers are not processes of one MPI job"
@@ -459,10 +465,8 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                 if not self._recoverable(infos):
                     self.world, self.backends = (), ()
                     return {"status": "error", "message": f"the world is broken ({broken}) and a member left or "
-                            "is stuck inside a collective, so it cannot be torn down collectively; it is dropped. "
-                            "Restart the workers that still hold it (client.restart(), or restart the cluster; a "
-                            "LocalMPICluster restarts a lost worker job by itself), then dask_pgas.bootstrap(client) "
-                            "builds a new world: those workers refuse it until then"}
+                            "is stuck inside a collective, so it cannot be torn down collectively; it is dropped."
+                            + ("" if _REBUILD in broken else f" {_REBUILD}")}  # (a break's message says it)
             # the world ends now, before the members finalize: a rechunk whose last transfer task lands
             # meanwhile gets a clear error instead of a run on PEs that are tearing down
             self.world = ()
@@ -614,22 +618,11 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         start request's closed connection)."""
         return f"worker {worker} (PE {self.world.index(worker)}) left the PGAS world"
 
-    def _break(self, message: str, *, lost: bool = False) -> None:
-        """``lost``: a member left; the others cannot tear the world down without it."""
+    def _break(self, message: str) -> None:
         if self.broken:
             return
-        inside = bool(self._in_flight())
-        self.broken = (
-            f"{message}. The PGAS world #{self.epoch} is broken; the input arrays stay computable with "
-            "method='tasks'/'p2p'. "
-            + ("Restart the workers that still hold it (client.restart(), or close the cluster and start a new one; "
-               "a LocalMPICluster whose worker died restarts its workers by itself), then "
-               "dask_pgas.bootstrap(client) builds a new world: they refuse it until then" if lost else
-               "dask_pgas.bootstrap(client) builds a new world from the workers there are now"
-               + (", and refuses any still blocked inside the collective (MPI collectives cannot be cancelled): "
-                  "those must be restarted (close the cluster and start a new one)" if inside else
-                  " (it says so when one of them must be restarted first)"))
-        )
+        self.broken = (f"{message}. The PGAS world #{self.epoch} is broken; the input arrays stay computable with "
+                       f"method='tasks'/'p2p'. {_REBUILD}")
         logger.error("dask_pgas: %s", self.broken)
         for run in self._in_flight():
             run.fail(message)
@@ -725,7 +718,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             logger.info("dask_pgas: the scheduler is closing; PGAS world #%d ends with it", self.epoch)
             self.world, self.backends = (), ()
             return
-        self._break(self._left(worker), lost=True)
+        self._break(self._left(worker))
         exc = PGASWorldError(self.broken)  # every member's removal re-checks: tasks may have moved meanwhile
         recs: dict = {}
         for key, addr in list(self._pinned.items()):

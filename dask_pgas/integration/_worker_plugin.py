@@ -944,8 +944,8 @@ class PGASWorkerPlugin(WorkerPlugin):
     def _prepare(self, spec: RunSpec, pieces: tuple, arrays: tuple, buffers: tuple | None) -> tuple[Any, Any]:
         """Local: this PE's input box packed from its chunk pieces and its output box: in the symmetric
         ``buffers`` when given (NVSHMEM), else in local scratch memory and a pooled NumPy array (MPI; no copy
-        when one C-contiguous chunk is the box); both checked against the plan's boxes
-        and dtype, so that the engine's own check cannot fail after the run's agreement."""
+        when one C-contiguous chunk is the box); both checked against the plan's boxes and dtype, so that the
+        engine's own check cannot fail after the run's agreement."""
         import numpy as np
 
         if spec.delay:
