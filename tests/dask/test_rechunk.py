@@ -57,6 +57,37 @@ def cases(draw):
     return shape, np.dtype(dtype), cin, cout, local
 
 
+class _tasks_run:
+    """The keys of the tasks that finish inside a ``with`` block, read from the scheduler's task-stream record by
+    its append count. (``distributed.get_task_stream`` of Dask 2025.1 picks records by their workers' stop times,
+    shifted by an estimated clock offset: the last task of a ``wait`` just before the block was counted now and
+    then; Dask 2026.8 counts appends, as here.)"""
+
+    def __init__(self, client):
+        self.client, self.keys = client, []
+
+    def __enter__(self):
+        def since(dask_scheduler, start=None):  # (a local function: pickled by value, for the scheduler's process)
+            from distributed.diagnostics.task_stream import TaskStreamPlugin
+
+            if TaskStreamPlugin.name not in dask_scheduler.plugins:
+                dask_scheduler.add_plugin(TaskStreamPlugin(dask_scheduler))
+            plugin = dask_scheduler.plugins[TaskStreamPlugin.name]
+            if start is None:
+                return plugin.index
+            new = plugin.index - start
+            assert new <= len(plugin.buffer), "the task stream dropped records: a longer stream is needed"
+            return [record["key"] for record in list(plugin.buffer)[len(plugin.buffer) - new:]]
+
+        self.since = since
+        self.start = self.client.run_on_scheduler(since)
+        return self
+
+    def __exit__(self, *exc):
+        keys = self.client.run_on_scheduler(self.since, start=self.start)
+        self.keys = [tuple(k) if isinstance(k, list) else k for k in keys]  # (a tuple key may travel as a list)
+
+
 def _reference(shape, dtype, seed=0):
     rng = np.random.default_rng(seed)
     return (rng.random(shape) * 100).astype(dtype)
@@ -724,8 +755,6 @@ def test_a_selection_runs_the_exchange_of_its_region_only(client):
     """y[:5].compute() computed every input chunk and ran the whole exchange (the barrier depends on every
     transfer task); now only the input chunks that meet the output chunks it needs, through a smaller run,
     whose output chunks lie on the PEs the full plan gives them."""
-    from distributed import get_task_stream
-
     from dask_pgas.integration._graph import RechunkLayer
 
     ref = _reference((60, 40), "float64")
@@ -735,9 +764,9 @@ def test_a_selection_runs_the_exchange_of_its_region_only(client):
     z = y[:5]
     culled = dict(z.__dask_graph__().cull(set(dask.core.flatten(z.__dask_keys__()))))
     assert sum(1 for k in culled if type(k) is tuple and k[0] == x.name) == 6
-    with get_task_stream(client) as stream:
+    with _tasks_run(client) as stream:
         np.testing.assert_array_equal(host(z.compute()), ref[:5])
-    ran = [t["key"] for t in stream.data]
+    ran = stream.keys
     assert sum(1 for k in ran if type(k) is tuple and k[0] == x.name) == 6
     assert any(type(k) is str and k.startswith(f"pgas-barrier-{y.name[len('pgas-rechunk-'):]}-") for k in ran)
     # every output chunk: the whole run, as before
@@ -750,8 +779,6 @@ def test_a_selection_and_the_whole_result_computed_at_once_agree(client):
     """A selection's graph has output tasks of the whole rechunk's keys with other dependencies: computed at the
     same time, distributed keeps the first graph's tasks for the shared keys. Both results are right, in either
     order, and no run is left behind; so for two selections whose regions overlap."""
-    from distributed import get_task_stream
-
     from dask_pgas.integration._graph import RechunkLayer
 
     ref = _reference((60, 40), "float64")
@@ -769,14 +796,14 @@ def test_a_selection_and_the_whole_result_computed_at_once_agree(client):
             futures, want = [client.compute(y[:5]), client.compute(y[40:])], [ref[:5], ref[40:]]
         else:  # rows 0-30 and 10-50: two region runs that share the output chunks of rows 10-30
             futures, want = [client.compute(y[:25]), client.compute(y[15:45])], [ref[:25], ref[15:45]]
-        with get_task_stream(client) as stream:
+        with _tasks_run(client) as stream:
             for got, expected in zip(client.gather(futures), want):
                 np.testing.assert_array_equal(host(got), expected)
         del futures
         token = y.name[len("pgas-rechunk-"):]
         if order == "overlapping regions":  # two collective runs met on the shared keys: a region run and the
             # whole one (Dask 2026.8, whose cull sees the first region's tasks), or two region runs (2025.1)
-            runs = {t["key"] for t in stream.data if str(t["key"]).startswith(f"pgas-barrier-{token}")}
+            runs = {k for k in stream.keys if str(k).startswith(f"pgas-barrier-{token}")}
             assert len(runs) == 2, runs
         assert _no_tasks_left(client, token), order
     assert dask_pgas.world(client).broken is None
@@ -801,15 +828,13 @@ def test_a_selection_of_a_rechunk_the_client_persisted_reads_the_persisted_chunk
     region run's output tasks (the same keys, other dependencies) collided with them: distributed warned and kept
     the region run's transfer and barrier tasks on the scheduler for good. The selection now reads the
     persisted chunks, and runs nothing else."""
-    from distributed import get_task_stream, wait
-
     ref = _reference((60, 40), "float64")
     y = dask_pgas.rechunk(on_device(da.from_array(ref, chunks=(10, 20))), (30, 40))
     held = client.persist(y)
     wait(held)
-    with get_task_stream(client) as stream:
+    with _tasks_run(client) as stream:
         np.testing.assert_array_equal(host(y[:5].compute()), ref[:5])
-    assert not [t["key"] for t in stream.data if "pgas" in str(t["key"])]
+    assert not [k for k in stream.keys if "pgas" in str(k)]
     del held
     assert _no_tasks_left(client, y.name[len("pgas-rechunk-"):])
     # a selection held (or still computing), then the same selection again: the same region run, merged by
