@@ -14,6 +14,21 @@ import pytest
 pytest.importorskip("distributed")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _sizeof_off_the_global_random():
+    """dask's ``sizeof`` samples long lists with the ``random`` module's global generator, and runs on the client's
+    IO loop thread (sizing each message it sends): while hypothesis draws an example on the main thread, that
+    moves the global state, and hypothesis takes it for a strategy using ``random`` (a deprecation warning now,
+    an error once it is removed). Here it samples with a generator of its own."""
+    import random
+
+    import dask.sizeof
+
+    dask.sizeof.random = random.Random(0)
+    yield
+    dask.sizeof.random = random
+
+
 def _nanny_cluster(n_workers: int, kind: str):
     """GPU workers that are not one MPI job, with a PGAS world made from an NVSHMEM unique id handed out by the
     scheduler: ``distributed.LocalCluster`` Nanny processes (``kind`` "local", backend named), or dask-cuda's
