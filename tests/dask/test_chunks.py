@@ -223,9 +223,9 @@ def test_output_boxes_follow_input_boxes():
 def test_16k_chunks_plan_fast():
     chunks_in = ((128,) * 128, (128,) * 128)
     chunks_out = ((4096,) * 4, (16384,))
-    t0 = time.process_time()
+    t0 = time.thread_time()  # this thread's CPU time (process_time also counts the IO loop and other threads)
     plan = plan_chunks(chunks_in, chunks_out, 4)
-    assert time.process_time() - t0 < 1.0
+    assert time.thread_time() - t0 < 1.0
     assert sum(len(p) for p in plan.inputs) == 128 * 128
 
 
@@ -233,9 +233,9 @@ def test_16k_chunks_on_one_axis_plan_fast_at_64_pes():
     """Each box intersects only the chunks it can meet: planning once cost PEs x chunks per axis (5.7 s here)."""
     chunks_in, chunks_out = ((4,) * 16384,), ((7,) * 9362 + (2,),)
     _plan_cached.cache_clear()
-    t0 = time.process_time()  # this process's CPU time: other work on a busy 2-core box does not count
+    t0 = time.thread_time()  # this thread's CPU time: other work (a busy 2-core box, other threads) does not count
     plan = plan_chunks(chunks_in, chunks_out, 64)
-    assert time.process_time() - t0 < 1.0
+    assert time.thread_time() - t0 < 1.0
     assert sum(len(p) for p in plan.inputs) >= 16384 and len(plan.output_owner()) == 9363
 
 

@@ -543,6 +543,7 @@ def test_random_rechunks_cancels_and_chains_from_threads_leave_nothing_behind(cl
 
     ref = _reference((120, 90), "float64")
     errors, done = [], []
+    config_lock = threading.Lock()
 
     def work(seed):
         rng = random.Random(seed)
@@ -567,9 +568,11 @@ def test_random_rechunks_cancels_and_chains_from_threads_leave_nothing_behind(cl
                     kept = y.persist()
                     np.testing.assert_array_equal(host(kept.compute()), ref)
                     del kept
-                else:
-                    with dask.config.set({"pgas.local-rechunk": False}):
-                        np.testing.assert_array_equal(host(dask_pgas.rechunk(x, cout).compute()), ref)
+                else:  # (dask.config is global: threads that set and restore it at once left it False for
+                    # the rest of the session; the setting is read when the graph is built)
+                    with config_lock, dask.config.set({"pgas.local-rechunk": False}):
+                        collective = dask_pgas.rechunk(x, cout)
+                    np.testing.assert_array_equal(host(collective.compute()), ref)
             except Exception as exc:  # pragma: no cover - reported below
                 errors.append((seed, i, op, cin, cout, exc))
 
@@ -788,15 +791,16 @@ def test_a_selection_and_the_whole_result_computed_at_once_agree(client):
         else:
             y = dask_pgas.rechunk(on_device(da.from_array(ref, chunks=(10, 20))), (30, 40))
         assert isinstance(y.dask.layers[y.name], RechunkLayer), order  # (a collective plan)
-        if order == "whole first":
-            futures, want = [client.compute(y), client.compute(y[:5])], [ref, ref[:5]]
-        elif order == "selection first":
-            futures, want = [client.compute(y[:5]), client.compute(y)], [ref[:5], ref]
-        elif order == "two regions":
-            futures, want = [client.compute(y[:5]), client.compute(y[40:])], [ref[:5], ref[40:]]
-        else:  # rows 0-30 and 10-50: two region runs that share the output chunks of rows 10-30
-            futures, want = [client.compute(y[:25]), client.compute(y[15:45])], [ref[:25], ref[15:45]]
+        # (the block starts before the first compute: its barrier task may end while the second graph is built)
         with _tasks_run(client) as stream:
+            if order == "whole first":
+                futures, want = [client.compute(y), client.compute(y[:5])], [ref, ref[:5]]
+            elif order == "selection first":
+                futures, want = [client.compute(y[:5]), client.compute(y)], [ref[:5], ref]
+            elif order == "two regions":
+                futures, want = [client.compute(y[:5]), client.compute(y[40:])], [ref[:5], ref[40:]]
+            else:  # rows 0-30 and 10-50: two region runs that share the output chunks of rows 10-30
+                futures, want = [client.compute(y[:25]), client.compute(y[15:45])], [ref[:25], ref[15:45]]
             for got, expected in zip(client.gather(futures), want):
                 np.testing.assert_array_equal(host(got), expected)
         del futures
