@@ -154,7 +154,8 @@ def test_more_workers_than_cores_under_mpich_4_warns_at_the_caller(monkeypatch):
     with pytest.warns(RuntimeWarning, match="2 workers on 1 core with MPICH 4.x") as caught:
         cluster = dask_pgas.LocalMPICluster(n_workers=2, bootstrap=False)
     cluster.close()
-    assert caught[0].filename == __file__
+    # (pytest.warns records every warning in the block, a background thread's too: the launcher's is the one)
+    assert [w.filename for w in caught if "MPICH 4.x" in str(w.message)] == [__file__]
 
 
 def test_auto_memory_limit_shares_the_machine_among_the_workers(client):
