@@ -919,6 +919,7 @@ def test_idle_output_blocks_stay_within_the_memory_limit():
     """Rechunks of one array to many chunkings left output blocks of every size idle in the pool, which Dask
     cannot spill: with memory_limit="400MiB" one worker paused at the 10th rechunk and its output tasks never
     ran (the rechunk hung). Idle blocks now take at most a tenth of the limit."""
+    from dask.utils import parse_bytes
     from distributed import Client
 
     def pool_idle(dask_worker):
@@ -926,14 +927,14 @@ def test_idle_output_blocks_stay_within_the_memory_limit():
 
     # (a worker holding two of x's chunks peaks near 300 MiB RSS here: 400 MiB left ~20 MiB below the 80 % pause
     # threshold; the cap, a tenth of the limit, is what the assertion checks)
-    limit = 512 * 2**20
-    with dask_pgas.LocalMPICluster(n_workers=3, memory_limit="512MiB") as cluster, Client(cluster) as client:
+    limit = "512MiB"
+    with dask_pgas.LocalMPICluster(n_workers=3, memory_limit=limit) as cluster, Client(cluster) as client:
         x = da.random.random((4096, 2048), chunks=(4096, 512)).persist()  # 64 MiB
         total = x.sum().compute()
         for rows in [256, 300, 333, 400, 500, 600, 700, 800, 900, 1000, 1100, 1200, 1300, 1500]:
             future = client.compute(dask_pgas.rechunk(x, (rows, 2048)).sum())
             assert np.isclose(future.result(timeout=30), total), rows
-            assert max(client.run(pool_idle).values()) <= limit // 10, rows
+            assert max(client.run(pool_idle).values()) <= parse_bytes(limit) // 10, rows
 
 
 def test_a_bad_config_value_on_the_workers_fails_the_rechunk_not_the_world():
