@@ -384,9 +384,13 @@ class LocalMPICluster:
             with Client(self.scheduler_address, timeout=timeout, set_as_default=False) as client:
                 self._wait_for_workers(client, timeout)
                 if bootstrap:
+                    from ..errors import PGASWorldError
                     from ._client import bootstrap as _bootstrap
 
-                    self.world = _bootstrap(client, backends=backends)
+                    try:
+                        self.world = _bootstrap(client, backends=backends)
+                    except PGASWorldError as exc:  # (a worker that died in the bring-up shows as a closed comm)
+                        raise PGASWorldError(f"{exc}\n{self._workers_output()}") from None
             self.status = Status.running
             self._watcher = threading.Thread(target=_watch, args=(weakref.ref(self), self._stop, self._lock),
                                              name="LocalMPICluster-watch", daemon=True)
@@ -426,6 +430,17 @@ class LocalMPICluster:
             return _read_log(os.path.join(self._dir, f"{what}.log"), _ERROR_TAIL)
         except OSError:
             return ""
+
+    def _workers_output(self, wait: float = 3.0) -> str:
+        """The MPI worker job's state and last output, for an error of the bring-up: given ``wait`` seconds to
+        exit, as the job does when one of its ranks died (its launcher then stops the others)."""
+        try:
+            code = self._workers.wait(wait)
+        except subprocess.TimeoutExpired:
+            state = "is still running"
+        else:
+            state = f"exited (exit code {code})"
+        return f"the MPI worker job {state}; its output ends:\n{self._log_tail('workers')}"
 
     def _wait_for_file(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

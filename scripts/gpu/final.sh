@@ -300,7 +300,7 @@ case "${1:-}" in
   upload)
     python3 scripts/gpu/install_wheels.py .whl /tmp/site >>"$S" 2>&1
     step "cpu planning tests" 90 "$OUT/upload.log" python3 -m pytest -q -p no:cacheprovider \
-      tests/gpu/test_gpu_planning_cpu.py tests/unit tests/dask/test_chunks.py
+      tests/gpu/test_gpu_planning_cpu.py tests/gpu/test_gpu_engine_logic_cpu.py tests/unit tests/dask/test_chunks.py
     shift; NOLIB=1 ;;
   upload2)
     for np_ in 1 2 4; do

@@ -71,6 +71,31 @@ def test_a_failed_start_fails_fast_and_leaves_nothing(what, monkeypatch):
     del failed
 
 
+def test_a_worker_that_dies_in_the_bring_up_is_quoted_in_the_error(tmp_path, monkeypatch):
+    """A rank that dies inside bootstrap's init shows to the scheduler as a closed connection only: the start's
+    PGASWorldError adds the worker job's end (its exit and last output, where the cause is), and nothing is left."""
+    import tempfile
+
+    from dask_pgas.errors import PGASWorldError
+
+    (tmp_path / "die_in_bring_up.py").write_text(
+        "import os\n\n\ndef dask_setup(worker):\n"
+        "    if worker.name != 'mpi-rank-1':\n        return\n"
+        "    import dask_pgas\n\n"
+        "    def die(*args, **kwargs):\n"
+        "        print('stand-in: rank 1 died in the bring-up', flush=True)\n        os._exit(3)\n\n"
+        "    dask_pgas.initialize = die\n")
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    env = {"PYTHONPATH": path, "DASK_DISTRIBUTED__WORKER__PRELOAD": "['die_in_bring_up']"}
+    dirs, mkdtemp = [], tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda *a, **k: dirs.append(mkdtemp(*a, **k)) or dirs[-1])
+    with pytest.raises(PGASWorldError, match=r"(?s)bootstrap failed.*the MPI worker job exited \(exit code "
+                       r"[^0]\d*\); its output ends:.*stand-in: rank 1 died in the bring-up"):
+        dask_pgas.LocalMPICluster(n_workers=2, backends=["mpi"], env=env, timeout=60)
+    monkeypatch.undo()
+    assert dirs and not os.path.exists(dirs[0])
+
+
 def test_restart_workers_false_leaves_a_dead_worker_job_dead():
     """restart_workers=False: a rank that dies takes the MPI job down and no new job is started."""
     from distributed import Client

@@ -654,16 +654,18 @@ def test_check_uniqueid_bring_up_does_the_local_steps_and_refuses_what_would_han
     from dask_pgas.engines import nvshmem as eng_mod
     from dask_pgas.errors import BackendUnavailableError
 
-    made, loaded = [], []
+    made, loaded, packages = [], [], []
     driver = types.SimpleNamespace(device_count=lambda: 2, make_current=made.append)
     monkeypatch.setattr(cuda, "driver", lambda: driver)
     monkeypatch.setattr(nvshmem, "load", lambda: loaded.append(1))
     monkeypatch.setattr(eng_mod, "apply_env_defaults", lambda single_node: None)
-    assert eng_mod.check_uniqueid_bring_up(3, 4) == 1 and made == [1] and loaded == [1]
-    assert eng_mod.check_uniqueid_bring_up(3, 4, 0) == 0 and made == [1, 0]
+    # (CuPy and torch take the same device: faked too, since the host running this may have fewer than 2 GPUs)
+    monkeypatch.setattr(eng_mod, "_use_device_in_packages", packages.append)
+    assert eng_mod.check_uniqueid_bring_up(3, 4) == 1 and made == packages == [1] and loaded == [1]
+    assert eng_mod.check_uniqueid_bring_up(3, 4, 0) == 0 and made == packages == [1, 0]
     with pytest.raises(ValueError, match=r"rank 4 is not in range\(4\)"):
         eng_mod.check_uniqueid_bring_up(4, 4)
     monkeypatch.setattr(eng_mod, "_left_up_by", "by a failed bring-up (init raised on rank 1)")
     with pytest.raises(BackendUnavailableError, match="left initialized in this process by a failed bring-up"):
         eng_mod.check_uniqueid_bring_up(0, 4)
-    assert made == [1, 0]  # (refused before the device is touched)
+    assert made == packages == [1, 0]  # (refused before the device is touched)
