@@ -25,6 +25,7 @@ import weakref
 from typing import Any
 
 from dask.utils import parse_timedelta
+from distributed.comm import CommClosedError
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 
@@ -90,6 +91,8 @@ def _failed(replies: dict[str, Any]) -> dict[str, Any]:
 
 def _why(reply: Any) -> str:
     """What a failed reply says (see :func:`_failed`)."""
+    if isinstance(reply, CommClosedError):  # (the worker's process died, or its connection broke)
+        return f"{type(reply).__name__}: {reply}: did its process die? Its output says why"
     if isinstance(reply, BaseException):
         return f"{type(reply).__name__}: {reply}"
     if isinstance(reply, dict) and "message" in reply:

@@ -72,8 +72,9 @@ def test_a_failed_start_fails_fast_and_leaves_nothing(what, monkeypatch):
 
 
 def test_a_worker_that_dies_in_the_bring_up_is_quoted_in_the_error(tmp_path, monkeypatch):
-    """A rank that dies inside bootstrap's init shows to the scheduler as a closed connection only: the start's
-    PGASWorldError adds the worker job's end (its exit and last output, where the cause is), and nothing is left."""
+    """A rank that dies inside bootstrap's init shows to the scheduler as a closed connection only: the message
+    asks whether the process died, the start's PGASWorldError adds the worker job's end (its exit and last output,
+    where the cause is), and nothing is left."""
     import tempfile
 
     from dask_pgas.errors import PGASWorldError
@@ -89,8 +90,9 @@ def test_a_worker_that_dies_in_the_bring_up_is_quoted_in_the_error(tmp_path, mon
     env = {"PYTHONPATH": path, "DASK_DISTRIBUTED__WORKER__PRELOAD": "['die_in_bring_up']"}
     dirs, mkdtemp = [], tempfile.mkdtemp
     monkeypatch.setattr(tempfile, "mkdtemp", lambda *a, **k: dirs.append(mkdtemp(*a, **k)) or dirs[-1])
-    with pytest.raises(PGASWorldError, match=r"(?s)bootstrap failed.*the MPI worker job exited \(exit code "
-                       r"[^0]\d*\); its output ends:.*stand-in: rank 1 died in the bring-up"):
+    with pytest.raises(PGASWorldError, match=r"(?s)bootstrap failed on .*CommClosedError.*did its process die\? "
+                       r"Its output says why\nthe MPI worker job exited \(exit code [^0]\d*\); its output ends:.*"
+                       r"stand-in: rank 1 died in the bring-up"):
         dask_pgas.LocalMPICluster(n_workers=2, backends=["mpi"], env=env, timeout=60)
     monkeypatch.undo()
     assert dirs and not os.path.exists(dirs[0])
