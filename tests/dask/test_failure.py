@@ -966,6 +966,21 @@ def test_a_bad_collective_timeout_on_the_scheduler_refuses_the_world():
         assert dask_pgas.world(client) is None
 
 
+def _runs_kept(client) -> dict:
+    """The scheduler's and the workers' bookkeeping of runs, for a failure message."""
+    def on_scheduler(dask_scheduler=None):
+        plugin = dask_scheduler.plugins["dask-pgas"]
+        return {"seq": plugin._seq, "runs": sorted(plugin._runs), "finished": dict(plugin._finished),
+                "last_seq": dict(plugin._last_seq),
+                "tasks": sorted((str(k), ts.state) for k, ts in dask_scheduler.tasks.items() if "pgas" in str(k))}
+
+    def on_worker(dask_worker=None):
+        plugin = dask_worker.plugins["dask-pgas"]
+        return {"next_seq": plugin._next_seq, "done": sorted(plugin._done), "run_of": dict(plugin._run_of)}
+
+    return {"scheduler": client.run_on_scheduler(on_scheduler), "workers": client.run(on_worker)}
+
+
 def test_a_bad_config_value_on_one_worker_fails_every_pe_alike():
     """One worker's config differs (set there after start): its PE refuses the run before the first agreement,
     so the other PEs do not enter a collective without it (on GPU workers the symmetric buffers grow collectively
@@ -995,7 +1010,12 @@ def test_a_bad_config_value_on_one_worker_fails_every_pe_alike():
                 dask_pgas.rechunk(x, (20, 40)).compute()
             assert dask_pgas.world(client).broken is None
         else:
-            np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (20, 40)).compute()), host(x.compute()))
+            try:
+                again = dask_pgas.rechunk(x, (20, 40)).compute()
+            except ValueError as exc:  # (once in CI, on distributed 2025.1, not reproduced since: which run was read?)
+                raise AssertionError(f"the same rechunk again raised {exc}; run bookkeeping: {_runs_kept(client)}") \
+                    from exc
+            np.testing.assert_array_equal(host(again), host(x.compute()))
         client.run(set_value, good, workers=[world.workers[1]])
         np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (10, 40)).compute()), host(x.compute()))
         # the scheduler's watchdog timeout made bad after bootstrap: the run is refused before it is numbered
