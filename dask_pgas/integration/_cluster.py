@@ -44,6 +44,7 @@ from typing import Any
 from dask.system import CPU_COUNT  # (affinity and cgroup quotas counted)
 from distributed.core import Status
 
+from ..errors import PGASWorldError
 from . import _orphan_guard
 from ._config import MAX_SECONDS
 
@@ -384,7 +385,6 @@ class LocalMPICluster:
             with Client(self.scheduler_address, timeout=timeout, set_as_default=False) as client:
                 self._wait_for_workers(client, timeout)
                 if bootstrap:
-                    from ..errors import PGASWorldError
                     from ._client import bootstrap as _bootstrap
 
                     try:

@@ -61,7 +61,7 @@ class _tasks_run:
     """The keys of the tasks that finish inside a ``with`` block, read from the scheduler's task-stream record by
     its append count. (``get_task_stream`` of distributed 2025.1 picks records by their workers' stop times,
     shifted by an estimated clock offset: the last task of a ``wait`` just before the block was counted now and
-    then; distributed 2026.8's counts appends, as here.)"""
+    then; distributed 2026.8 counts appends, as here.)"""
 
     def __init__(self, client):
         self.client, self.keys = client, []
