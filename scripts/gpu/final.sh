@@ -21,6 +21,8 @@
 #   dask      the Dask suite on 1, 2 and 4 GPU workers and on 2 outside MPI (side by side), then the failure tests
 #   checks    gpu_checks alone, at 1, 2 and 4 PEs and at 3 with DASK_PGAS_EMPTY_VIA_PEER=1 (a short call, when
 #             little device time is left: the engine's own checks, peer copies included)
+#   sidebyside  4 LocalMPICluster worlds of 4 GPU workers started at once, SBS_ROUNDS (4) times: the bring-up
+#             death rounds 12a and 34a saw once each in the dask job (scripts/gpu/probe_side_by_side.py)
 #   dask4     the Dask suite on 4 GPU workers alone (a quick check after a change to the Dask layer)
 #   dask1     the same on 1 GPU worker
 #   failure   the Dask failure and launcher tests alone (tests/dask/test_failure.py, 3 GPU workers)
@@ -171,6 +173,11 @@ job_failure() {
   step "dask failure tests, 3 GPU workers (kill) and 2 (full heap)" 400 "$OUT/dask-failure.log" \
     env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -rA -p no:cacheprovider --durations=8 tests/dask/test_failure.py
   grep -h "passed\|failed" "$OUT/dask-failure.log" >>"$S" 2>/dev/null
+}
+job_sidebyside() {  # SBS_ROUNDS rounds of 4 clusters x 4 GPU workers started at once (rounds 12a and 34a's failure)
+  step "side by side: 4 LocalMPICluster x 4 GPU workers at once, ${SBS_ROUNDS:-4} rounds" 300 "$OUT/sidebyside.log" \
+    python3 scripts/gpu/probe_side_by_side.py --clusters 4 --workers 4 --rounds "${SBS_ROUNDS:-4}"
+  grep -h "^FAIL\|^WRONG\|side by side" "$OUT/sidebyside.log" >>"$S" 2>/dev/null
 }
 job_dask4() {
   dask_suite 4 200 "$OUT/dask4.log"
