@@ -21,8 +21,9 @@
 #   dask      the Dask suite on 1, 2 and 4 GPU workers and on 2 outside MPI (side by side), then the failure tests
 #   checks    gpu_checks alone, at 1, 2 and 4 PEs and at 3 with DASK_PGAS_EMPTY_VIA_PEER=1 (a short call, when
 #             little device time is left: the engine's own checks, peer copies included)
-#   sidebyside  4 LocalMPICluster worlds of 4 GPU workers started at once, SBS_ROUNDS (4) times: the bring-up
-#             death rounds 12a and 34a saw once each in the dask job (scripts/gpu/probe_side_by_side.py)
+#   sidebyside  4 LocalMPICluster worlds of 4 GPU workers started at once, SBS_ROUNDS (4) times, for each heap size
+#             in SBS_HEAPS (8g): the bring-up death rounds 12a and 34a saw once each in the dask job
+#             (scripts/gpu/probe_side_by_side.py), with the GPU's peak memory use
 #   dask4     the Dask suite on 4 GPU workers alone (a quick check after a change to the Dask layer)
 #   dask1     the same on 1 GPU worker
 #   failure   the Dask failure and launcher tests alone (tests/dask/test_failure.py, 3 GPU workers)
@@ -174,10 +175,20 @@ job_failure() {
     env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -rA -p no:cacheprovider --durations=8 tests/dask/test_failure.py
   grep -h "passed\|failed" "$OUT/dask-failure.log" >>"$S" 2>/dev/null
 }
-job_sidebyside() {  # SBS_ROUNDS rounds of 4 clusters x 4 GPU workers started at once (rounds 12a and 34a's failure)
-  step "side by side: 4 LocalMPICluster x 4 GPU workers at once, ${SBS_ROUNDS:-4} rounds" 300 "$OUT/sidebyside.log" \
-    python3 scripts/gpu/probe_side_by_side.py --clusters 4 --workers 4 --rounds "${SBS_ROUNDS:-4}"
-  grep -h "^FAIL\|^WRONG\|side by side" "$OUT/sidebyside.log" >>"$S" 2>/dev/null
+job_sidebyside() {  # SBS_ROUNDS rounds of 4 clusters x 4 GPU workers started at once (rounds 12a and 34a's failure),
+  # once per NVSHMEM_SYMMETRIC_SIZE in SBS_HEAPS (default this script's 8g); GPU memory use sampled every 100 ms
+  local heap log smi sp
+  for heap in ${SBS_HEAPS:-$NVSHMEM_SYMMETRIC_SIZE}; do
+    log=$OUT/sidebyside-$heap.log smi=$OUT/sidebyside-$heap-smi.log
+    nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader,nounits -lms 100 >"$smi" 2>&1 & sp=$!
+    step "side by side: 4 LocalMPICluster x 4 GPU workers at once, ${SBS_ROUNDS:-4} rounds, heap $heap" 300 "$log" \
+      env NVSHMEM_SYMMETRIC_SIZE="$heap" \
+      python3 scripts/gpu/probe_side_by_side.py --clusters 4 --workers 4 --rounds "${SBS_ROUNDS:-4}"
+    kill $sp 2>/dev/null; wait $sp 2>/dev/null
+    echo "  GPU memory used, MiB: peak $(sort -n -t, -k1 "$smi" | tail -1) (of $(wc -l <"$smi") samples)" >>"$S"
+    grep -h "^FAIL\|^WRONG\|side by side:" "$log" | cut -c1-200 >>"$S"
+    grep -h "init.cu\|cuda failed" "$log" | sort | uniq -c | head >>"$S"
+  done
 }
 job_dask4() {
   dask_suite 4 200 "$OUT/dask4.log"
