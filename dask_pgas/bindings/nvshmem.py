@@ -2,14 +2,21 @@
 
 Only what the GPU engine uses: unique-id bootstrap (no MPI inside NVSHMEM), symmetric malloc/free, ``nvshmem_ptr``,
 barriers, on-stream synchronisation and host-side get. ``nvshmem_init``/``nvshmem_finalize`` are static inline in the
-headers, so the ``nvshmemx_hostlib_*`` entry points are bound instead. The host API is serialized by a lock.
+headers, so the ``nvshmemx_hostlib_*`` entry points are bound instead. The host API is serialized by a lock; the
+init and finalize of NVSHMEM jobs on one host are kept apart by a file lock (:func:`host_lock`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
+import logging
 import os
+import tempfile
 import threading
+import time
+from collections.abc import Iterator
 
 from . import LazyLibrary, find_in_site_packages, open_library
 
@@ -20,6 +27,7 @@ __all__ = [
     "UNIQUEID_SIZE",
     "InitAttr",
     "UniqueId",
+    "host_lock",
     "library_path",
     "load",
 ]
@@ -70,6 +78,75 @@ def library_path() -> str | None:
 
 
 
+# -- NVSHMEM jobs side by side on one host ----------------------------------------------------------------------
+# With several PEs on one GPU and no MPS ("limited MPG", init status 3), NVSHMEM's init has the GPU's first PE
+# create a POSIX shared-memory slab named "mps_shm_<that PE's number>", which the GPU's other PEs then open, write
+# their CUDA IPC event handles into and read each other's from; its on-stream barriers use the slab from then on.
+# The name is the same in every NVSHMEM job on the host (/dev/shm is one namespace, and the create unlinks any
+# slab of that name first), so two jobs whose inits overlap meet in one slab: NVSHMEM exits the process ("cuda
+# failed with mapping of buffer object failed", an IPC event handle of the other job: GPU rounds 12a, 34a and 35
+# saw it when several Dask clusters started at once), or the two jobs' barriers share one counter. Finalize
+# unlinks the name. So the host's first PE holds this lock exclusively through its init, which returns only once
+# every PE of its job has passed the slab's set-up (NVSHMEM's init ends in barriers), and every PE holds it shared
+# through finalize. Only jobs that take the lock are kept apart (other NVSHMEM programs do not), and one that
+# waits longer than HOST_LOCK_WAIT goes ahead without it, with a warning: the lock never makes a bring-up fail.
+HOST_LOCK_NAME = "dask-pgas-nvshmem.lock"
+HOST_LOCK_WAIT = 60.0  # seconds; another job's init takes about 1 s (0.6 s alone, a few with 16 PEs on one GPU)
+
+
+def _host_lock_path() -> str:
+    """In /dev/shm where there is one (the namespace whose names collide), else the temporary directory."""
+    shm = "/dev/shm"
+    folder = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+    return os.path.join(folder, HOST_LOCK_NAME)
+
+
+@contextlib.contextmanager
+def host_lock(exclusive: bool, wait: float | None = None) -> Iterator[bool]:
+    """Hold the host's NVSHMEM init lock (exclusive for a job's init, shared for a finalize) for the ``with`` body;
+    yields whether it was taken. Waits at most ``wait`` seconds (default :data:`HOST_LOCK_WAIT`), then goes on
+    without it; a lock file that cannot be opened is skipped alike."""
+    log = logging.getLogger(__name__)
+    path = _host_lock_path()
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as exc:
+        log.debug("NVSHMEM host lock %s not used: %s", path, exc)
+        yield False
+        return
+    try:
+        with contextlib.suppress(OSError):  # (other users' jobs take it too; the umask may have narrowed it)
+            os.fchmod(fd, 0o666)
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        limit = HOST_LOCK_WAIT if wait is None else wait
+        t0 = time.monotonic()
+        taken = False
+        while True:
+            try:
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                taken = True
+                break
+            except BlockingIOError:
+                if time.monotonic() - t0 >= limit:
+                    break
+                time.sleep(0.02)
+        waited = time.monotonic() - t0
+        if not taken:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            log.warning("NVSHMEM %s went ahead without the host lock %s after %.0f s (held by %s): an NVSHMEM job "
+                        "starting on this host at the same time may clash with it", "init" if exclusive else
+                        "finalize", path, waited, holder)
+        elif exclusive:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
+        if taken and waited > 1.0:
+            log.info("NVSHMEM %s waited %.1f s for another job's init on this host", "init" if exclusive else
+                     "finalize", waited)
+        yield taken
+    finally:
+        os.close(fd)  # (releases the lock)
+
+
 class NVSHMEM:
     """The loaded host library. Methods raise RuntimeError on a failing return code."""
 
@@ -115,7 +192,9 @@ class NVSHMEM:
             raise RuntimeError(f"nvshmemx_get_uniqueid failed ({rc})")
         return ctypes.string_at(ctypes.addressof(uid), UNIQUEID_SIZE)
 
-    def init_with_uniqueid(self, uid: bytes, rank: int, nranks: int) -> int:
+    def init_with_uniqueid(self, uid: bytes, rank: int, nranks: int, *, first_on_host: bool | None = None) -> int:
+        """NVSHMEM's collective init from a unique id; returns ``nvshmemx_init_status()``. The host's first PE
+        (``first_on_host``, default rank 0) holds :func:`host_lock` through it."""
         if len(uid) != UNIQUEID_SIZE:
             raise ValueError(f"an NVSHMEM unique id has {UNIQUEID_SIZE} bytes, got {len(uid)}")
         self._uid = UniqueId.from_buffer_copy(uid)  # kept alive: attr points at it
@@ -124,7 +203,8 @@ class NVSHMEM:
         attr.version = _ATTR_VERSION
         attr.args.version = _ARGS_VERSION
         attr.args.uid_args.version = _UID_ARGS_VERSION
-        with self.lock:
+        lead = rank == 0 if first_on_host is None else first_on_host
+        with host_lock(exclusive=True) if lead else contextlib.nullcontext(), self.lock:
             rc = self.lib.nvshmemx_set_attr_uniqueid_args(rank, nranks, ctypes.byref(self._uid), ctypes.byref(attr))
             if rc != 0:
                 raise RuntimeError(f"nvshmemx_set_attr_uniqueid_args failed ({rc})")
@@ -136,7 +216,7 @@ class NVSHMEM:
             return self.lib.nvshmemx_init_status()
 
     def finalize(self) -> None:
-        with self.lock:
+        with host_lock(exclusive=False), self.lock:
             self.lib.nvshmemx_hostlib_finalize()
 
     def my_pe(self) -> int:

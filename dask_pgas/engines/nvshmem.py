@@ -460,15 +460,15 @@ class NVSHMEMEngine(Engine):
         return None
 
     @classmethod
-    def _bring_up(cls, uid: bytes, rank: int, nranks: int, device: int, control: ControlPlane | None
-                  ) -> NVSHMEMEngine:
+    def _bring_up(cls, uid: bytes, rank: int, nranks: int, device: int, control: ControlPlane | None,
+                  first_on_host: bool | None = None) -> NVSHMEMEngine:
         def not_initialized(status: int) -> str:
             return f"NVSHMEM did not initialize (status {status}); set NVSHMEM_DEBUG=INFO"
 
         if control is None:  # no channel to the other PEs before NVSHMEM is up: a local failure raises alone
             # (callers agree on check_uniqueid_bring_up, the same local steps, first)
             drv, nv = _local_steps(device)
-            status = nv.init_with_uniqueid(uid, rank, nranks)
+            status = nv.init_with_uniqueid(uid, rank, nranks, first_on_host=first_on_host)
             if status < 2:
                 raise BackendUnavailableError(not_initialized(status))
         else:
@@ -482,7 +482,7 @@ class NVSHMEMEngine(Engine):
             _raise_unavailable(control.agree(error))
             returned = False
             try:
-                status = nv.init_with_uniqueid(uid, rank, nranks)
+                status = nv.init_with_uniqueid(uid, rank, nranks, first_on_host=first_on_host)
                 returned = True
                 if status < 2:
                     error = not_initialized(status)
@@ -543,7 +543,9 @@ class NVSHMEMEngine(Engine):
             control.free()
             raise BackendUnavailableError(error)
         try:
-            return cls._bring_up(uid, comm.Get_rank(), comm.Get_size(), device_id, control)
+            rank = comm.Get_rank()
+            return cls._bring_up(uid, rank, comm.Get_size(), device_id, control,
+                                 first_on_host=hosts.index(hosts[rank]) == rank)
         except BaseException:
             control.free()
             raise

@@ -21,9 +21,10 @@
 #   dask      the Dask suite on 1, 2 and 4 GPU workers and on 2 outside MPI (side by side), then the failure tests
 #   checks    gpu_checks alone, at 1, 2 and 4 PEs and at 3 with DASK_PGAS_EMPTY_VIA_PEER=1 (a short call, when
 #             little device time is left: the engine's own checks, peer copies included)
-#   sidebyside  4 LocalMPICluster worlds of 4 GPU workers started at once, SBS_ROUNDS (4) times, for each heap size
-#             in SBS_HEAPS (8g): the bring-up death rounds 12a and 34a saw once each in the dask job
-#             (scripts/gpu/probe_side_by_side.py), with the GPU's peak memory use
+#   sidebyside  4 LocalMPICluster worlds of 4 GPU workers started at once, SBS_ROUNDS (4) times: the bring-up
+#             death rounds 12a, 34a and 35 saw (scripts/gpu/probe_side_by_side.py), with the GPU's peak memory use;
+#             with SBS_OLD=1 also with the package in .gpu-old (`git archive REV dask_pgas | tar -x -C .gpu-old`,
+#             carried in the `upload` call)
 #   dask4     the Dask suite on 4 GPU workers alone (a quick check after a change to the Dask layer)
 #   dask1     the same on 1 GPU worker
 #   failure   the Dask failure and launcher tests alone (tests/dask/test_failure.py, 3 GPU workers)
@@ -176,18 +177,19 @@ job_failure() {
   grep -h "passed\|failed" "$OUT/dask-failure.log" >>"$S" 2>/dev/null
 }
 job_sidebyside() {  # SBS_ROUNDS rounds of 4 clusters x 4 GPU workers started at once (rounds 12a and 34a's failure),
-  # once per NVSHMEM_SYMMETRIC_SIZE in SBS_HEAPS (default this script's 8g); GPU memory use sampled every 100 ms
-  local heap log smi sp
-  for heap in ${SBS_HEAPS:-$NVSHMEM_SYMMETRIC_SIZE}; do
-    log=$OUT/sidebyside-$heap.log smi=$OUT/sidebyside-$heap-smi.log
+  # with this tree's package, then (SBS_OLD=1) with an older one that `upload` copied from .gpu-old to /tmp/old;
+  # the GPU's memory use is sampled every 100 ms
+  local tree log smi sp
+  for tree in $PWD ${SBS_OLD:+/tmp/old}; do
+    log=$OUT/sidebyside-$([ "$tree" = "$PWD" ] && echo this || echo old).log smi=${log%.log}-smi.log
     nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader,nounits -lms 100 >"$smi" 2>&1 & sp=$!
-    step "side by side: 4 LocalMPICluster x 4 GPU workers at once, ${SBS_ROUNDS:-4} rounds, heap $heap" 300 "$log" \
-      env NVSHMEM_SYMMETRIC_SIZE="$heap" \
+    step "side by side: 4 LocalMPICluster x 4 GPU workers at once, ${SBS_ROUNDS:-4} rounds, package $tree" 300 \
+      "$log" env PYTHONPATH="$tree:$PYTHONPATH" \
       python3 scripts/gpu/probe_side_by_side.py --clusters 4 --workers 4 --rounds "${SBS_ROUNDS:-4}"
     kill $sp 2>/dev/null; wait $sp 2>/dev/null
     echo "  GPU memory used, MiB: peak $(sort -n -t, -k1 "$smi" | tail -1) (of $(wc -l <"$smi") samples)" >>"$S"
-    grep -h "^FAIL\|^WRONG\|side by side:" "$log" | cut -c1-200 >>"$S"
-    grep -h "init.cu\|cuda failed" "$log" | sort | uniq -c | head >>"$S"
+    grep -h "^FAIL\|^WRONG\|side by side:\|package" "$log" | cut -c1-200 >>"$S"
+    grep -h "init.cu\|cuda failed\|host lock" "$log" | sort | uniq -c | head >>"$S"
   done
 }
 job_dask4() {
@@ -317,6 +319,7 @@ NOLIB=  # set by the upload calls: cuFFTMp is not all there yet, so only jobs th
 case "${1:-}" in
   upload)
     python3 scripts/gpu/install_wheels.py .whl /tmp/site >>"$S" 2>&1
+    [ -d .gpu-old/dask_pgas ] && rm -rf /tmp/old && cp -r .gpu-old /tmp/old && echo "old package kept in /tmp/old" >>"$S"
     step "cpu planning tests" 90 "$OUT/upload.log" python3 -m pytest -q -p no:cacheprovider \
       tests/gpu/test_gpu_planning_cpu.py tests/gpu/test_gpu_engine_logic_cpu.py tests/unit tests/dask/test_chunks.py
     shift; NOLIB=1 ;;

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import time
 import traceback
 
@@ -52,6 +53,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--cpu", action="store_true", help="CPU workers and the MPI engine (to try the probe itself)")
     a = p.parse_args()
+    import dask_pgas
+
+    print(f"package {os.path.dirname(dask_pgas.__file__)}", flush=True)
     ctx = mp.get_context("spawn")
     failed = 0
     for r in range(a.rounds):

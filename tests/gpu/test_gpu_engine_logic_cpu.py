@@ -609,6 +609,128 @@ def test_uniqueid_init_attr_versions_and_flags():
     assert bytes(nv._uid) == bytes(range(128))
 
 
+# -- the host lock: NVSHMEM jobs' inits on one host kept apart (NVSHMEM names a shared-memory slab per GPU alike in
+# every job: see dask_pgas/bindings/nvshmem.py)
+def _lock_state(path) -> str:
+    """How the host lock at ``path`` is held, seen through a file description of its own: "free", "shared" or
+    "exclusive" (flock conflicts between two descriptions in one process as between processes)."""
+    import fcntl
+    import os
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return "free"
+        except BlockingIOError:
+            pass
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return "shared"
+        except BlockingIOError:
+            return "exclusive"
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture()
+def host_lock_path(monkeypatch, tmp_path):
+    from dask_pgas.bindings import nvshmem
+
+    path = str(tmp_path / nvshmem.HOST_LOCK_NAME)
+    monkeypatch.setattr(nvshmem, "_host_lock_path", lambda: path)
+    return path
+
+
+def _seen_during(nv, name, path):
+    """Record the host lock's state whenever the fake library's ``name`` is called."""
+    seen, call = [], nv.lib.__getattr__
+
+    class Lib(type(nv.lib)):
+        def __getattr__(self, attr):
+            if attr == name:
+                seen.append(_lock_state(path))
+            return call(attr)
+
+    nv.lib.__class__ = Lib
+    return seen
+
+
+@pytest.mark.parametrize("rank, first_on_host, held", [(0, None, "exclusive"), (1, None, "free"),
+                                                       (3, True, "exclusive"), (0, False, "free")])
+def test_the_hosts_first_pe_holds_the_host_lock_through_nvshmems_init(host_lock_path, rank, first_on_host, held):
+    import os
+
+    nv = _bound_nvshmem()
+    seen = _seen_during(nv, "nvshmemx_hostlib_init_attr", host_lock_path)
+    assert nv.init_with_uniqueid(bytes(128), rank, 4, first_on_host=first_on_host) == 2
+    assert seen == [held]
+    assert _lock_state(host_lock_path) == "free"  # released when init returns
+    if held == "exclusive":  # the holder is named, for another job's warning
+        with open(host_lock_path) as f:
+            assert f.read() == f"pid {os.getpid()}"
+
+
+def test_finalize_holds_the_host_lock_shared(host_lock_path):
+    nv = _bound_nvshmem()
+    seen = _seen_during(nv, "nvshmemx_hostlib_finalize", host_lock_path)
+    nv.finalize()
+    assert seen == ["shared"]
+    assert _lock_state(host_lock_path) == "free"
+
+
+def test_init_waits_for_another_jobs_init_on_the_host(host_lock_path):
+    """Another job's first PE holds the lock (here: another file description) for 0.3 s: init starts after it."""
+    import fcntl
+    import os
+    import threading
+    import time
+
+    fd = os.open(host_lock_path, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    threading.Timer(0.3, os.close, (fd,)).start()
+    nv = _bound_nvshmem()
+    t0 = time.monotonic()
+    nv.init_with_uniqueid(bytes(128), 0, 2)
+    assert time.monotonic() - t0 >= 0.3
+    assert nv.lib.calls[1] == "nvshmemx_hostlib_init_attr"
+
+
+def test_init_goes_ahead_after_the_wait_and_says_who_held_the_lock(host_lock_path, monkeypatch, caplog):
+    """The lock never makes a bring-up fail: past HOST_LOCK_WAIT, init goes ahead with a warning."""
+    import fcntl
+    import logging
+    import os
+
+    from dask_pgas.bindings import nvshmem
+
+    fd = os.open(host_lock_path, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, b"pid 4242")
+        monkeypatch.setattr(nvshmem, "HOST_LOCK_WAIT", 0.2)
+        nv = _bound_nvshmem()
+        with caplog.at_level(logging.WARNING, logger=nvshmem.__name__):
+            assert nv.init_with_uniqueid(bytes(128), 0, 2) == 2
+            nv.finalize()  # shared: blocked alike, goes ahead alike
+    finally:
+        os.close(fd)
+    assert nv.lib.calls[-1] == "nvshmemx_hostlib_finalize"
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2 and all("went ahead without the host lock" in w and "pid 4242" in w for w in warned)
+
+
+def test_a_host_lock_file_that_cannot_be_made_is_skipped(monkeypatch):
+    from dask_pgas.bindings import nvshmem
+
+    monkeypatch.setattr(nvshmem, "_host_lock_path", lambda: "/nonexistent-folder/x.lock")
+    nv = _bound_nvshmem()
+    assert nv.init_with_uniqueid(bytes(128), 0, 2) == 2
+    nv.finalize()
+    assert nv.lib.calls == ["nvshmemx_set_attr_uniqueid_args", "nvshmemx_hostlib_init_attr", "nvshmemx_init_status",
+                            "nvshmemx_hostlib_finalize"]
+
+
 @pytest.mark.parametrize("single_node", [True, None])
 def test_initialize_from_uniqueid_sets_the_environment_before_nvshmem(monkeypatch, single_node):
     import os

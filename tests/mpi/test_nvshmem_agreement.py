@@ -24,6 +24,7 @@ EXPECTED = {
     "bring-up: NVSHMEM's init raises on one rank": "BackendUnavailableError",
     "bring-up: again after NVSHMEM's init raised": "BackendUnavailableError",
     "bring-up: a device given on one rank only": "none",
+    "bring-up: only the host's first rank holds the host lock": "none",
     "settings: the same values spelled differently": "none",
     "settings: DASK_PGAS_NVSHMEM_RESHAPE read once at bring-up": "none",
     "settings: DASK_PGAS_NVSHMEM_POOL_BYTES read once at bring-up": "none",

@@ -48,8 +48,11 @@ class FakeNV:
 
     raises = False  # NVSHMEM's init raises on this rank after its collective part
 
-    def init_with_uniqueid(self, uid, rank, nranks):
+    first_on_host = None  # what the engine told the last init (the host's first PE holds the host lock)
+
+    def init_with_uniqueid(self, uid, rank, nranks, *, first_on_host=None):
         self.calls["init"] += 1
+        self.first_on_host = first_on_host
         LIB.Barrier()
         if self.raises:
             raise RuntimeError("injected: init raised after joining")
@@ -315,6 +318,15 @@ def bring_up_with_device_on_last():
 
 
 case("bring-up: a device given on one rank only", bring_up_with_device_on_last)
+
+
+def bring_up_marks_the_first_rank_on_the_host():
+    """Only the host's first rank holds the host lock through NVSHMEM's init (the test's ranks share one host)."""
+    bring_up_with()
+    assert NV.first_on_host is (RANK == 0), (RANK, NV.first_on_host)
+
+
+case("bring-up: only the host's first rank holds the host lock", bring_up_marks_the_first_rank_on_the_host)
 case("settings: the same values spelled differently",
      lambda: bring_up_with(NVSHMEM_SYMMETRIC_SIZE="1g" if RANK else "1073741824", DASK_PGAS_NVSHMEM_RESHAPE="auto"))
 
