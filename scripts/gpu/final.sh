@@ -21,6 +21,8 @@
 #   dask      the Dask suite on 1, 2 and 4 GPU workers and on 2 outside MPI (side by side), then the failure tests
 #   checks    gpu_checks alone, at 1, 2 and 4 PEs and at 3 with DASK_PGAS_EMPTY_VIA_PEER=1 (a short call, when
 #             little device time is left: the engine's own checks, peer copies included)
+#   sbsuid    the same bring-up without Dask or cuFFTMp: 4 jobs of 4 PEs (uid_checks.py --no-reshape) at once,
+#             SBS_ROUNDS times, with this package and (SBS_OLD=1) the one in .gpu-old; may follow `upload`
 #   sidebyside  4 LocalMPICluster worlds of 4 GPU workers started at once, SBS_ROUNDS (4) times: the bring-up
 #             death rounds 12a, 34a and 35 saw (scripts/gpu/probe_side_by_side.py), with the GPU's peak memory use;
 #             with SBS_OLD=1 also with the package in .gpu-old (`git archive REV dask_pgas | tar -x -C .gpu-old`,
@@ -192,6 +194,29 @@ job_sidebyside() {  # SBS_ROUNDS rounds of 4 clusters x 4 GPU workers started at
     grep -h "init.cu\|cuda failed\|host lock" "$log" | sort | uniq -c | head >>"$S"
   done
 }
+job_sbsuid() {  # SBS_ROUNDS rounds of 4 NVSHMEM-only jobs of 4 PEs (uid_checks --no-reshape) started at once on
+  # the GPU, with this tree's package and with the one in /tmp/old (SBS_OLD=1): no cuFFTMp needed
+  local tree tag r k log
+  for tree in $PWD ${SBS_OLD:+/tmp/old}; do
+    tag=$([ "$tree" = "$PWD" ] && echo this || echo old) log=$OUT/sbsuid-$tag.log
+    local failed=0 ran=0 t0=$(date +%s)
+    for r in $(seq "${SBS_ROUNDS:-4}"); do
+      [ "$(left)" -lt 30 ] && { echo "SKIP sbsuid $tag round $r (budget)" >>"$S"; break; }
+      for k in 1 2 3 4; do
+        rm -f /tmp/sbs-uid-$k.bin
+        ( echo "=== $tag round $r job $k" >"$log.$k"
+          timeout -k 5 60 env PYTHONPATH="$tree:$PYTHONPATH" $MPIRUN -n 4 python3 tests/gpu/programs/uid_checks.py \
+            /tmp/sbs-uid-$k.bin --no-reshape >>"$log.$k" 2>&1; printf '\nrc=%s\n' $? >>"$log.$k" ) &
+      done
+      wait
+      for k in 1 2 3 4; do
+        grep -q "^rc=0" "$log.$k" || failed=$((failed + 1)); ran=$((ran + 1)); cat "$log.$k" >>"$log"; rm -f "$log.$k"
+      done
+    done
+    echo "side by side (NVSHMEM only), package $tree: $failed of $ran jobs failed, $(( $(date +%s) - t0 ))s" >>"$S"
+    grep -h "init.cu\|cuda failed\|host lock\|shared memory" "$log" | sort | uniq -c | head >>"$S"
+  done
+}
 job_dask4() {
   dask_suite 4 200 "$OUT/dask4.log"
   grep -h "passed\|failed" "$OUT/dask4.log" >>"$S" 2>/dev/null
@@ -335,8 +360,8 @@ case "${1:-}" in
 esac
 for job in "$@"; do
   declare -F "job_$job" >/dev/null || { echo "unknown job: $job (see the top of this file)" >&2; exit 2; }
-  if [ -n "$NOLIB" ] && [[ " robust cpubench " != *" $job "* ]]; then
-    echo "$job needs cuFFTMp: run it after the uploads (only robust and cpubench may follow upload/upload2)" >&2; exit 2
+  if [ -n "$NOLIB" ] && [[ " robust cpubench sbsuid " != *" $job "* ]]; then
+    echo "$job needs cuFFTMp: run it after the uploads (only robust, cpubench and sbsuid may follow upload/upload2)" >&2; exit 2
   fi
 done
 if [ -n "$NOLIB" ] && [ $# -eq 0 ]; then cat "$S"; pack_logs; exit 0; fi
