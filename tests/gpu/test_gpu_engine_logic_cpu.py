@@ -720,6 +720,38 @@ def test_init_goes_ahead_after_the_wait_and_says_who_held_the_lock(host_lock_pat
     assert len(warned) == 2 and all("went ahead without the host lock" in w and "pid 4242" in w for w in warned)
 
 
+_JOB = """
+import sys, threading, time
+from dask_pgas.bindings import nvshmem
+
+class Lib:  # NVSHMEM's init takes 0.3 s; record when this job's first PE was inside it
+    def __getattr__(self, name):
+        def call(*args):
+            if name == "nvshmemx_hostlib_init_attr":
+                t0 = time.time(); time.sleep(0.3); print(t0, time.time(), flush=True)
+            return 2 if name == "nvshmemx_init_status" else 0
+        return call
+
+nvshmem._host_lock_path = lambda: sys.argv[1]
+nv = nvshmem.NVSHMEM.__new__(nvshmem.NVSHMEM)
+nv.lock, nv.lib = threading.RLock(), Lib()
+nv.init_with_uniqueid(bytes(128), 0, 4)
+"""
+
+
+def test_the_inits_of_jobs_started_together_on_a_host_do_not_overlap(host_lock_path):
+    """Three processes, each the first PE of its own job, start NVSHMEM's init at once: one at a time."""
+    import itertools
+    import subprocess
+    import sys
+
+    jobs = [subprocess.Popen([sys.executable, "-c", _JOB, host_lock_path], stdout=subprocess.PIPE, text=True)
+            for _ in range(3)]
+    spans = sorted(tuple(map(float, job.communicate(timeout=60)[0].split())) for job in jobs)
+    assert [job.returncode for job in jobs] == [0, 0, 0]
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans)), spans
+
+
 def test_a_host_lock_file_that_cannot_be_made_is_skipped(monkeypatch):
     from dask_pgas.bindings import nvshmem
 
