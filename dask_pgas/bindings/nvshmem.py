@@ -112,39 +112,44 @@ def host_lock(exclusive: bool, wait: float | None = None) -> Iterator[bool]:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     except OSError as exc:
         log.debug("NVSHMEM host lock %s not used: %s", path, exc)
+        fd = None
+    if fd is None:  # (outside the except block: an error of the body does not chain to the OSError)
         yield False
         return
+    what = "init" if exclusive else "finalize"
     try:
         with contextlib.suppress(OSError):  # (other users' jobs take it too; the umask may have narrowed it)
             os.fchmod(fd, 0o666)
-        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
         limit = HOST_LOCK_WAIT if wait is None else wait
         t0 = time.monotonic()
-        taken = False
-        while True:
-            try:
-                fcntl.flock(fd, mode | fcntl.LOCK_NB)
-                taken = True
-                break
-            except BlockingIOError:
-                if time.monotonic() - t0 >= limit:
-                    break
-                time.sleep(0.02)
+        taken = _flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, limit)
         waited = time.monotonic() - t0
         if not taken:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
             log.warning("NVSHMEM %s went ahead without the host lock %s after %.0f s (held by %s): an NVSHMEM job "
-                        "starting on this host at the same time may clash with it", "init" if exclusive else
-                        "finalize", path, waited, holder)
-        elif exclusive:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
-        if taken and waited > 1.0:
-            log.info("NVSHMEM %s waited %.1f s for another job's init on this host", "init" if exclusive else
-                     "finalize", waited)
+                        "starting on this host at the same time may clash with it", what, path, waited, holder)
+        else:
+            if exclusive:  # (named in another job's warning)
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
+            if waited > 1.0:
+                log.info("NVSHMEM %s waited %.1f s for another job's init on this host", what, waited)
         yield taken
     finally:
         os.close(fd)  # (releases the lock)
+
+
+def _flock(fd: int, mode: int, limit: float) -> bool:
+    """``flock(fd, mode)``, retried for at most ``limit`` seconds; whether it was taken."""
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
 
 
 class NVSHMEM:

@@ -671,6 +671,15 @@ def test_the_hosts_first_pe_holds_the_host_lock_through_nvshmems_init(host_lock_
             assert f.read() == f"pid {os.getpid()}"
 
 
+def test_a_failed_init_releases_the_host_lock(host_lock_path, monkeypatch):
+    nv = _bound_nvshmem()
+    monkeypatch.setattr(type(nv.lib), "nvshmemx_hostlib_init_attr", lambda self, *a: 7, raising=False)
+    with pytest.raises(RuntimeError, match=r"nvshmemx_hostlib_init_attr failed \(7\)") as info:
+        nv.init_with_uniqueid(bytes(128), 0, 2)
+    assert info.value.__context__ is None
+    assert _lock_state(host_lock_path) == "free"
+
+
 def test_finalize_holds_the_host_lock_shared(host_lock_path):
     nv = _bound_nvshmem()
     seen = _seen_during(nv, "nvshmemx_hostlib_finalize", host_lock_path)
