@@ -102,10 +102,12 @@ def _host_lock_path() -> str:
 
 
 @contextlib.contextmanager
-def host_lock(exclusive: bool, wait: float | None = None) -> Iterator[bool]:
-    """Hold the host's NVSHMEM init lock (exclusive for a job's init, shared for a finalize) for the ``with`` body;
-    yields whether it was taken. Waits at most ``wait`` seconds (default :data:`HOST_LOCK_WAIT`), then goes on
-    without it; a lock file that cannot be opened is skipped alike."""
+def host_lock(exclusive: bool) -> Iterator[None]:
+    """Hold the host's NVSHMEM init lock (exclusive for a job's init, shared for a finalize) for the ``with`` body.
+
+    Waits at most :data:`HOST_LOCK_WAIT` seconds, then goes on without it; a lock file that cannot be opened is
+    skipped alike. It never raises: the callers are about to enter a collective that the other PEs are already
+    waiting in."""
     log = logging.getLogger(__name__)
     path = _host_lock_path()
     try:
@@ -114,27 +116,29 @@ def host_lock(exclusive: bool, wait: float | None = None) -> Iterator[bool]:
         log.debug("NVSHMEM host lock %s not used: %s", path, exc)
         fd = None
     if fd is None:  # (outside the except block: an error of the body does not chain to the OSError)
-        yield False
+        yield
         return
     what = "init" if exclusive else "finalize"
     try:
         with contextlib.suppress(OSError):  # (other users' jobs take it too; the umask may have narrowed it)
             os.fchmod(fd, 0o666)
-        limit = HOST_LOCK_WAIT if wait is None else wait
         t0 = time.monotonic()
-        taken = _flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, limit)
+        taken = _flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, HOST_LOCK_WAIT)
         waited = time.monotonic() - t0
         if not taken:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            holder = "unknown"
+            with contextlib.suppress(OSError):
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or holder
             log.warning("NVSHMEM %s went ahead without the host lock %s after %.0f s (held by %s): an NVSHMEM job "
                         "starting on this host at the same time may clash with it", what, path, waited, holder)
         else:
-            if exclusive:  # (named in another job's warning)
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
+            if exclusive:  # named in another job's warning (a full /dev/shm only loses the name)
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
             if waited > 1.0:
                 log.info("NVSHMEM %s waited %.1f s for another job's init on this host", what, waited)
-        yield taken
+        yield
     finally:
         os.close(fd)  # (releases the lock)
 

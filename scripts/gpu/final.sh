@@ -24,8 +24,7 @@
 #   sbsuid    the same bring-up without Dask or cuFFTMp: 4 jobs of 4 PEs (uid_checks.py --no-reshape) at once,
 #             SBS_ROUNDS times, with this package and (SBS_OLD=1) the one in .gpu-old; may follow `upload`
 #   sidebyside  4 LocalMPICluster worlds of 4 GPU workers started at once, SBS_ROUNDS (4) times: the bring-up
-#             death rounds 12a, 34a and 35 saw (scripts/gpu/probe_side_by_side.py), with the GPU's peak memory use;
-#             with SBS_OLD=1 also with the package in .gpu-old (`git archive REV dask_pgas | tar -x -C .gpu-old`,
+#             death rounds 12a, 34a and 35 saw (scripts/gpu/probe_side_by_side.py); with SBS_OLD=1 also with the package in .gpu-old (`git archive REV dask_pgas | tar -x -C .gpu-old`,
 #             carried in the `upload` call)
 #   dask4     the Dask suite on 4 GPU workers alone (a quick check after a change to the Dask layer)
 #   dask1     the same on 1 GPU worker
@@ -179,17 +178,13 @@ job_failure() {
   grep -h "passed\|failed" "$OUT/dask-failure.log" >>"$S" 2>/dev/null
 }
 job_sidebyside() {  # SBS_ROUNDS rounds of 4 clusters x 4 GPU workers started at once (rounds 12a and 34a's failure),
-  # with this tree's package, then (SBS_OLD=1) with an older one that `upload` copied from .gpu-old to /tmp/old;
-  # the GPU's memory use is sampled every 100 ms
-  local tree log smi sp
+  # with this tree's package, then (SBS_OLD=1) with an older one that `upload` copied from .gpu-old to /tmp/old
+  local tree log
   for tree in $PWD ${SBS_OLD:+/tmp/old}; do
-    log=$OUT/sidebyside-$([ "$tree" = "$PWD" ] && echo this || echo old).log smi=${log%.log}-smi.log
-    nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader,nounits -lms 100 >"$smi" 2>&1 & sp=$!
+    log=$OUT/sidebyside-$([ "$tree" = "$PWD" ] && echo this || echo old).log
     step "side by side: 4 LocalMPICluster x 4 GPU workers at once, ${SBS_ROUNDS:-4} rounds, package $tree" 300 \
       "$log" env PYTHONPATH="$tree:$PYTHONPATH" \
       python3 scripts/gpu/probe_side_by_side.py --clusters 4 --workers 4 --rounds "${SBS_ROUNDS:-4}"
-    kill $sp 2>/dev/null; wait $sp 2>/dev/null
-    echo "  GPU memory used, MiB: peak $(sort -n -t, -k1 "$smi" | tail -1) (of $(wc -l <"$smi") samples)" >>"$S"
     grep -h "^FAIL\|^WRONG\|side by side:\|package" "$log" | cut -c1-200 >>"$S"
     grep -h "init.cu\|cuda failed\|host lock" "$log" | sort | uniq -c | head >>"$S"
   done

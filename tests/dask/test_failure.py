@@ -1009,8 +1009,7 @@ def test_a_bad_config_value_on_one_worker_fails_every_pe_alike():
             _settled(client)
             assert dask_pgas.world(client).broken is None
         else:
-            again = dask_pgas.rechunk(x, (20, 40)).compute()
-            np.testing.assert_array_equal(host(again), host(x.compute()))
+            np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (20, 40)).compute()), host(x.compute()))
         client.run(set_value, good, workers=[world.workers[1]])
         np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (10, 40)).compute()), host(x.compute()))
         # the scheduler's watchdog timeout made bad after bootstrap: the run is refused before it is numbered

@@ -680,6 +680,21 @@ def test_a_failed_init_releases_the_host_lock(host_lock_path, monkeypatch):
     assert _lock_state(host_lock_path) == "free"
 
 
+def test_the_host_lock_never_raises_before_the_collective_init(host_lock_path, monkeypatch):
+    """The other PEs are already inside NVSHMEM's init: a lock file that cannot take the holder's name (a full
+    /dev/shm) must not make this PE raise before it."""
+    import os
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    nv = _bound_nvshmem()
+    seen = _seen_during(nv, "nvshmemx_hostlib_init_attr", host_lock_path)
+    assert nv.init_with_uniqueid(bytes(128), 0, 2) == 2
+    assert seen == ["exclusive"]
+
+
 def test_finalize_holds_the_host_lock_shared(host_lock_path):
     nv = _bound_nvshmem()
     seen = _seen_during(nv, "nvshmemx_hostlib_finalize", host_lock_path)
