@@ -1173,7 +1173,8 @@ def check_uniqueid_bring_up(
 
 
 def initialize_from_uniqueid(
-    uid: bytes, rank: int, nranks: int, device_id: int | None = None, *, single_node: bool | None = None
+    uid: bytes, rank: int, nranks: int, device_id: int | None = None, *, single_node: bool | None = None,
+    first_on_host: bool | None = None,
 ) -> None:
     """Bring up the ``"nvshmem"`` backend from a unique id delivered by other means (collective over the
     ``nranks`` processes; no MPI needed). The control plane then runs on NVSHMEM itself.
@@ -1183,6 +1184,9 @@ def initialize_from_uniqueid(
         rank, nranks: this process's PE number and the number of PEs.
         device_id: CUDA device (default ``rank`` modulo the visible devices).
         single_node: all ranks on one host: set the single-node NVSHMEM defaults.
+        first_on_host: this rank is the lowest of the ranks on its host (default: rank 0 is, no other is). That
+            rank holds the host lock (:func:`dask_pgas.bindings.nvshmem.host_lock`) through NVSHMEM's init, which
+            keeps two jobs' inits on one host apart; give it on every rank when the ranks span several hosts.
 
     NVSHMEM's init has no agreement before it: a rank whose local steps fail here raises alone and leaves the
     others inside the init. Where the ranks can talk, run :func:`check_uniqueid_bring_up` on every rank first
@@ -1191,5 +1195,5 @@ def initialize_from_uniqueid(
     from .. import runtime
 
     device_id = check_uniqueid_bring_up(rank, nranks, device_id, single_node=single_node)
-    engine = NVSHMEMEngine._bring_up(bytes(uid), rank, nranks, device_id, None)
+    engine = NVSHMEMEngine._bring_up(bytes(uid), rank, nranks, device_id, None, first_on_host)
     runtime.install_engine(engine)

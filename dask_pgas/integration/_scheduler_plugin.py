@@ -372,8 +372,11 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             else:
                 # one host: NVSHMEM's one-node defaults (no remote transport, bootstrap over loopback), as the
                 # MPI path sets them from the ranks' host names
-                single = len({infos[w].get("host") for w in order}) == 1
+                hosts = [infos[w].get("host") for w in order]
+                single = len(set(hosts)) == 1
                 pes = {w: {"pe": pe} for pe, w in enumerate(order)}
+                # the lowest PE of each host holds the host lock through the init (bindings.nvshmem.host_lock)
+                leads = {w: {"pe": pe, "first_on_host": hosts.index(hosts[pe]) == pe} for pe, w in enumerate(order)}
                 deadline = time.monotonic() + timeout  # (the three steps together, as the one init above)
 
                 def left() -> float:
@@ -389,7 +392,7 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                     res = await self._call(order[:1], step, timeout=left(), single_node=single)
                     if isinstance(uid := res[order[0]], bytes):  # (else an error, or another version's answer)
                         step = "pgas_init"
-                        res = await self._call(order, step, timeout=left(), each=pes, epoch=epoch, ranks=None,
+                        res = await self._call(order, step, timeout=left(), each=leads, epoch=epoch, ranks=None,
                                                backends=backends, uid=uid, npes=len(order), single_node=single)
             if late := [w for w, r in res.items() if isinstance(r, TimeoutError)]:
                 self.world, self.broken = tuple(order), (f"bootstrap of world #{epoch} timed out after {timeout:g}s: "

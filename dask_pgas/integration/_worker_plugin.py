@@ -313,6 +313,11 @@ def _process_of(worker) -> int:
     return os.getpid()
 
 
+def _host_of(worker) -> str:
+    """This worker's host name (workers of one host share NVSHMEM's host-wide state)."""
+    return socket.gethostname()
+
+
 class PGASWorkerPlugin(WorkerPlugin):
     """Owns the PGAS runtime of one worker. Registered by :func:`dask_pgas.bootstrap`."""
 
@@ -503,7 +508,7 @@ class PGASWorkerPlugin(WorkerPlugin):
         return {
             "address": self.worker.address,
             "name": str(self.worker.name),
-            "host": socket.gethostname(),
+            "host": _host_of(self.worker),
             "process": _process_of(self.worker),
             "mpi_rank": rank,
             "mpi_size": size,
@@ -529,8 +534,9 @@ class PGASWorkerPlugin(WorkerPlugin):
         }
 
     async def _h_init(self, epoch: int, ranks: list | None, backends: list | None, uid: bytes | None = None,
-                      pe: int | None = None, npes: int | None = None, single_node: bool | None = None) -> dict:
-        reply = await self._on_thread(self._init, epoch, ranks, backends, uid, pe, npes, single_node)
+                      pe: int | None = None, npes: int | None = None, single_node: bool | None = None,
+                      first_on_host: bool | None = None) -> dict:
+        reply = await self._on_thread(self._init, epoch, ranks, backends, uid, pe, npes, single_node, first_on_host)
         return reply if reply["status"] != "OK" else {**reply, "pe": self.pe, "npes": self.npes, **_gpu_identity()}
 
     async def _h_start(self, name: str, seq: int, epoch: int) -> dict:
@@ -652,7 +658,7 @@ class PGASWorkerPlugin(WorkerPlugin):
                                     "restart the worker")
         dask_pgas.check_uniqueid_bring_up(pe, npes, WORKER_DEVICE, single_node=single_node)
 
-    def _init(self, epoch, ranks, backends, uid, pe, npes, single_node=None) -> None:
+    def _init(self, epoch, ranks, backends, uid, pe, npes, single_node=None, first_on_host=None) -> None:
         import dask_pgas
 
         from .. import runtime
@@ -677,7 +683,8 @@ class PGASWorkerPlugin(WorkerPlugin):
             finally:
                 comm.Free()
         else:
-            dask_pgas.initialize_from_uniqueid(uid, pe, npes, WORKER_DEVICE, single_node=single_node)
+            dask_pgas.initialize_from_uniqueid(uid, pe, npes, WORKER_DEVICE, single_node=single_node,
+                                               first_on_host=first_on_host)
             self.pe, self.npes = pe, npes
         self.epoch = epoch
         self.broken = None

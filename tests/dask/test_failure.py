@@ -499,8 +499,8 @@ def test_unique_id_bootstrap_puts_each_pe_on_its_workers_gpu(monkeypatch):
         calls.append(("uid", device_id, single_node))
         return b"u" * 128
 
-    def init(uid, rank, nranks, device_id=None, *, single_node=None):
-        calls.append(("init", rank, nranks, device_id, single_node))
+    def init(uid, rank, nranks, device_id=None, *, single_node=None, first_on_host=None):
+        calls.append(("init", rank, nranks, device_id, single_node, first_on_host))
         raise RuntimeError("stand-in: no NVSHMEM here")
 
     def check(rank, nranks, device_id=None, *, single_node=None):
@@ -518,7 +518,36 @@ def test_unique_id_bootstrap_puts_each_pe_on_its_workers_gpu(monkeypatch):
     # every worker's local steps, then the id, then the init
     assert sorted(calls[:2]) == [("check", 0, 2, 0, True), ("check", 1, 2, 0, True)]
     assert calls[2] == ("uid", 0, True)
-    assert sorted(calls[3:]) == [("init", 0, 2, 0, True), ("init", 1, 2, 0, True)]
+    # (PE 0 is the host's first: it alone holds the host lock through NVSHMEM's init)
+    assert sorted(calls[3:]) == [("init", 0, 2, 0, True, True), ("init", 1, 2, 0, True, False)]
+
+
+def test_unique_id_bootstrap_marks_the_first_pe_of_every_host(monkeypatch):
+    """NVSHMEM jobs that initialize at once on one host can meet in its shared-memory slab (GPU rounds 35 and
+    36); the lowest PE of each host holds the host lock through the init. Workers on two hosts (host names stand
+    in): PEs 0 and 1 are their hosts' first, PE 2 (on PE 0's host) is not, and neither host gets the one-node
+    defaults. NVSHMEM is a stand-in."""
+    from distributed import Client, LocalCluster
+
+    from dask_pgas.integration import _worker_plugin
+
+    inits = []
+
+    def init(uid, rank, nranks, device_id=None, *, single_node=None, first_on_host=None):
+        inits.append((rank, single_node, first_on_host))
+        raise RuntimeError("stand-in: no NVSHMEM here")
+
+    monkeypatch.setattr(dask_pgas, "check_uniqueid_bring_up", lambda rank, nranks, device_id=None, **kw: device_id)
+    monkeypatch.setattr(dask_pgas, "get_nvshmem_uniqueid", lambda device_id=None, *, single_node=None: b"u" * 128)
+    monkeypatch.setattr(dask_pgas, "initialize_from_uniqueid", init)
+    # PEs follow the workers' names (0, 1, 2): PE 0 and PE 2 on node-a, PE 1 on node-b
+    monkeypatch.setattr(_worker_plugin, "_host_of", lambda worker: ["node-a", "node-b", "node-a"][int(worker.name)])
+    _as_separate_processes(monkeypatch)
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        with pytest.raises(PGASWorldError, match="stand-in: no NVSHMEM here"):
+            dask_pgas.bootstrap(client, backends=["nvshmem"])
+    assert sorted(inits) == [(0, False, True), (1, False, True), (2, False, False)]
 
 
 def test_unique_id_that_cannot_be_made_fails_bootstrap_clearly(monkeypatch):

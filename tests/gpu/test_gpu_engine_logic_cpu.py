@@ -797,7 +797,7 @@ def test_initialize_from_uniqueid_sets_the_environment_before_nvshmem(monkeypatc
     monkeypatch.setattr(os, "environ", {"DASK_PGAS_HEAP_SIZE": "2g"})
     seen = {}
 
-    def bring_up(uid, rank, nranks, device, control):
+    def bring_up(uid, rank, nranks, device, control, first_on_host=None):
         raise RuntimeError("stop here")
 
     # the environment as NVSHMEM's library first sees it (loaded by the local steps, before the init)
@@ -810,6 +810,25 @@ def test_initialize_from_uniqueid_sets_the_environment_before_nvshmem(monkeypatc
     assert seen["NVSHMEM_SYMMETRIC_SIZE"] == "2g"
     assert (seen.get("NVSHMEM_REMOTE_TRANSPORT"), seen.get("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME")) == (
         ("none", "lo") if single_node else (None, None))
+
+
+@pytest.mark.parametrize("first_on_host", [True, False, None])
+def test_initialize_from_uniqueid_hands_first_on_host_to_the_bring_up(monkeypatch, first_on_host):
+    """Which rank holds the host lock through the init is the caller's to say (bootstrap knows the workers'
+    hosts); left out, the binding takes rank 0."""
+    from dask_pgas.engines import nvshmem as eng_mod
+
+    seen = []
+
+    def bring_up(uid, rank, nranks, device, control, first_on_host=None):
+        seen.append((rank, control, first_on_host))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(eng_mod, "check_uniqueid_bring_up", lambda rank, nranks, device_id, single_node: 0)
+    monkeypatch.setattr(eng_mod.NVSHMEMEngine, "_bring_up", staticmethod(bring_up))
+    with pytest.raises(RuntimeError, match="stop here"):
+        eng_mod.initialize_from_uniqueid(bytes(128), 2, 4, first_on_host=first_on_host)
+    assert seen == [(2, None, first_on_host)]
 
 
 def test_env_defaults_keep_the_users_heap_and_nccl_settings():
