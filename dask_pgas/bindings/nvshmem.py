@@ -105,33 +105,30 @@ def _host_lock_path() -> str:
 def host_lock(exclusive: bool) -> Iterator[None]:
     """Hold the host's NVSHMEM init lock (exclusive for a job's init, shared for a finalize) for the ``with`` body.
 
-    Waits at most :data:`HOST_LOCK_WAIT` seconds, then goes on without it; a lock file that cannot be opened is
-    skipped alike. It never raises: the callers are about to enter a collective that the other PEs are already
-    waiting in."""
+    Waits at most :data:`HOST_LOCK_WAIT` seconds, then goes on without it; a lock file that cannot be opened or
+    locked is skipped alike. It never raises: the callers are about to enter a collective that the other PEs are
+    already waiting in."""
     log = logging.getLogger(__name__)
     path = _host_lock_path()
+    what = "init" if exclusive else "finalize"
+    fd = taken = None
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError as exc:
-        log.debug("NVSHMEM host lock %s not used: %s", path, exc)
-        fd = None
-    if fd is None:  # (outside the except block: an error of the body does not chain to the OSError)
-        yield
-        return
-    what = "init" if exclusive else "finalize"
-    try:
         with contextlib.suppress(OSError):  # (other users' jobs take it too; the umask may have narrowed it)
             os.fchmod(fd, 0o666)
         t0 = time.monotonic()
         taken = _flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, HOST_LOCK_WAIT)
         waited = time.monotonic() - t0
-        if not taken:
+    except OSError as exc:  # no lock file here, or a file system without flock (ENOLCK): go on without it
+        log.debug("NVSHMEM host lock %s not used: %s", path, exc)
+    try:
+        if taken is False:
             holder = "unknown"
             with contextlib.suppress(OSError):
                 holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or holder
             log.warning("NVSHMEM %s went ahead without the host lock %s after %.0f s (held by %s): an NVSHMEM job "
                         "starting on this host at the same time may clash with it", what, path, waited, holder)
-        else:
+        elif taken:
             if exclusive:  # named in another job's warning (a full /dev/shm only loses the name)
                 with contextlib.suppress(OSError):
                     os.ftruncate(fd, 0)
@@ -140,7 +137,8 @@ def host_lock(exclusive: bool) -> Iterator[None]:
                 log.info("NVSHMEM %s waited %.1f s for another job's init on this host", what, waited)
         yield
     finally:
-        os.close(fd)  # (releases the lock)
+        if fd is not None:
+            os.close(fd)  # (releases the lock)
 
 
 def _flock(fd: int, mode: int, limit: float) -> bool:

@@ -695,6 +695,27 @@ def test_the_host_lock_never_raises_before_the_collective_init(host_lock_path, m
     assert seen == ["exclusive"]
 
 
+def test_a_lock_file_that_cannot_be_locked_is_skipped(host_lock_path, monkeypatch):
+    """A file system without flock (ENOLCK, the temporary directory on NFS where there is no /dev/shm): the first
+    PE goes on into the init, as the other PEs already did, instead of raising alone before it."""
+    import errno
+    import fcntl
+
+    from dask_pgas.bindings import nvshmem
+
+    def no_locks(fd, mode):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(nvshmem, "fcntl", types.SimpleNamespace(
+        LOCK_EX=fcntl.LOCK_EX, LOCK_SH=fcntl.LOCK_SH, LOCK_NB=fcntl.LOCK_NB, flock=no_locks))
+    nv = _bound_nvshmem()
+    seen = _seen_during(nv, "nvshmemx_hostlib_init_attr", host_lock_path)
+    assert nv.init_with_uniqueid(bytes(128), 0, 2) == 2
+    nv.finalize()
+    assert seen == ["free"]
+    assert nv.lib.calls[-1] == "nvshmemx_hostlib_finalize"
+
+
 def test_finalize_holds_the_host_lock_shared(host_lock_path):
     nv = _bound_nvshmem()
     seen = _seen_during(nv, "nvshmemx_hostlib_finalize", host_lock_path)
