@@ -9,8 +9,7 @@
   the run and tells every member to run it; members run collectives strictly in that order on their collective
   thread. ``pgas_barrier`` (called by the barrier task) returns the run's number at once (starting the
   run if needed; a run that already failed fatally returns its error). A watchdog fails the run when it does
-  not end within ``pgas.collective-timeout``. ``pgas_run_failed`` (called by a run's first failing output task)
-  errs all of a run's output tasks in one step when it failed alike on every PE, as Dask errs a task's dependents;
+  not end within ``pgas.collective-timeout``;
 * ``remove_worker`` fails in-flight runs at once, marks the world broken, errs the barriers and the tasks pinned
   to the lost worker that wait for it (no-worker), and unpins the rest (they fail where they run);
   ``valid_workers_downscaling`` and a guarded ``retire_workers`` keep members from being retired.
@@ -156,7 +155,6 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                 "pgas_bootstrap": self.bootstrap,
                 "pgas_world": self.describe_world,
                 "pgas_barrier": self.barrier,
-                "pgas_run_failed": self.run_failed,
                 "pgas_teardown": self.teardown,
             }
         )
@@ -509,23 +507,6 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             return {"status": "error", "message": run.error, "class": run.error_class}
         return {"status": "OK", "run": run.seq}
 
-    def run_failed(self, name: str, run: int, exception: Any = None, traceback: Any = None,
-                   exception_text: str = "", traceback_text: str = "") -> str:
-        """Called by the first output task on a worker that finds run ``run`` of ``name`` failed alike on every PE
-        (the world usable): err every output task of that run still running or waiting to run, in this one step
-        and with that task's error, before any of them reports its own (see the worker plugin's
-        ``_err_outputs``). Their later reports find their keys erred (or, resubmitted, of another run) and
-        change nothing. Synchronous, so the client's messages for all the keys leave in one batch."""
-        barrier = self.scheduler.tasks.get("pgas-barrier-" + name[len("pgas-rechunk-"):])
-        if self._last_seq.get(name) != run or barrier is None or barrier.state != "memory":
-            return "skipped"  # not this rechunk's current run, or released meanwhile (a cancel)
-        payload = {"exception": exception, "traceback": traceback, "exception_text": exception_text,
-                   "traceback_text": traceback_text}
-        stimulus_id = f"pgas-run-failed-{time.time()}"
-        for ts in list(barrier.dependents):
-            self._err(self.scheduler, ts.key, payload, stimulus_id)
-        return "erred"
-
     def _start(self, name: str, epoch: int) -> _Run:
         """Number the run of ``name`` and tell every member to run it (all transfer tasks are done)."""
         self._ready.pop(name, None)
@@ -745,8 +726,6 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             return
         self._break(self._left(worker))
         exc = PGASWorldError(self.broken)  # every member's removal re-checks: tasks may have moved meanwhile
-        blob = pickle.dumps(exc)
-        payload = {"exception": blob, "traceback": None, "exception_text": str(exc), "traceback_text": ""}
         recs: dict = {}
         for key, addr in list(self._pinned.items()):
             ts = scheduler.tasks.get(key)
@@ -756,7 +735,13 @@ class PGASSchedulerPlugin(SchedulerPlugin):
             ts.loose_restrictions = True
             if ts.state == "no-worker":
                 try:
-                    recs.update(scheduler.transition(key, "erred", stimulus_id=stimulus_id, cause=key, **payload))
+                    recs.update(
+                        scheduler.transition(
+                            key, "erred", stimulus_id=stimulus_id, cause=key,
+                            exception=pickle.dumps(exc), traceback=None,
+                            exception_text=str(exc), traceback_text="",
+                        )
+                    )
                 except Exception as e:  # pragma: no cover - defensive
                     logger.warning("dask_pgas: could not fail %s: %r", key, e)
         if recs:
@@ -764,16 +749,16 @@ class PGASSchedulerPlugin(SchedulerPlugin):
         # With MPI the whole job often goes down with one rank: no worker may be left to report the failure,
         # so the scheduler errs the barriers itself (the error reaches every dependent and the client).
         for key in list(self._barriers):
-            self._err(scheduler, key, payload, stimulus_id)
+            self._err(scheduler, key, exc, stimulus_id)
 
     @staticmethod
-    def _err(scheduler, key, payload: dict, stimulus_id: str) -> None:
-        """Err ``key`` here, wherever it is short of a result, with ``payload``'s exception and traceback (and
-        their texts), as if the task had raised it: its dependents err with it."""
+    def _err(scheduler, key, exc: BaseException, stimulus_id: str) -> None:
         ts = scheduler.tasks.get(key)
         if ts is None or ts.state in ("memory", "erred", "forgotten"):
             return
-        kwargs = {"cause": key, **payload}
+        blob = pickle.dumps(exc)
+        kwargs = {"cause": key, "exception": blob, "traceback": None,
+                  "exception_text": str(exc), "traceback_text": ""}
         try:
             if ts.state == "processing":
                 recs = scheduler.transition(key, "erred", stimulus_id=stimulus_id,
@@ -783,8 +768,8 @@ class PGASSchedulerPlugin(SchedulerPlugin):
                 recs = scheduler.transition(key, "erred", stimulus_id=stimulus_id, **kwargs)
                 scheduler.transitions(recs, stimulus_id=stimulus_id)
             elif ts.state in ("waiting", "released"):
-                ts.exception, ts.traceback = payload["exception"], payload["traceback"]
-                ts.exception_text, ts.traceback_text = payload["exception_text"], payload["traceback_text"]
+                ts.exception, ts.traceback = blob, None
+                ts.exception_text, ts.traceback_text = str(exc), ""
                 ts.exception_blame = ts
                 if ts.state == "waiting":
                     scheduler.transitions({key: "released"}, stimulus_id=stimulus_id)

@@ -18,7 +18,6 @@ import socket
 import sys
 import threading
 import time
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -354,9 +353,6 @@ class PGASWorkerPlugin(WorkerPlugin):
         # rechunk name -> its latest run here (a rechunk Dask computes again gets a new run before the old one's
         # barrier is forgotten)
         self._run_of: dict[str, int] = {}
-        # a run's result future (in _done) -> resolved once the scheduler has erred the run's output tasks (a run
-        # that failed alike on every PE; see _err_outputs): asked once per run and worker, gone with the run
-        self._outputs_erred: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._next_seq = 0
         self._current: tuple[int, float] | None = None  # (seq, monotonic start) of the run on the thread
         self._buffers: dict[str, Any] = {}
@@ -459,46 +455,10 @@ class PGASWorkerPlugin(WorkerPlugin):
                 "re-bootstrapped: compute the rechunk again"
             )
         timeout = setting("collective-timeout") + 30  # (checked by the run too, before its collective)
-        try:
-            result = self._wait(done, run, name, timeout)
-        except Exception as exc:
-            if getattr(exc, "fatal", True) is False:  # failed alike on every PE, the world usable
-                self._err_outputs(done, name, run, exc)
-            raise
+        result = self._wait(done, run, name, timeout)
         # a view: the box is this run's own array (results never alias the symmetric buffers), so a copy per
         # chunk would only double the memory traffic; the box's memory goes back to the pool with its last chunk
         return result if whole else result[box_slices]
-
-    def _err_outputs(self, done: concurrent.futures.Future, name: str, run: int, exc: BaseException) -> None:
-        """Before an output task of run ``run`` raises the run's agreed error, the scheduler errs every output
-        task of the run at once (its ``pgas_run_failed``), as Dask errs all dependents of a failed task: the
-        client then learns of every key in one message, and no PE's own report, later, can reach a client that
-        already resubmitted the same keys (a retry right after the error), which distributed's client would take
-        for the new keys' error. The first output task of the run here asks (with this error and traceback, as
-        a worker reports a task's); the others wait for its answer. Called in the ``except`` block."""
-        from distributed.core import error_message
-        from distributed.utils import sync
-
-        with self._lock:
-            asked = self._outputs_erred.get(done)
-            first = asked is None
-            if first:
-                asked = self._outputs_erred[done] = concurrent.futures.Future()
-        if not first:
-            try:
-                asked.result(timeout=15)
-            except concurrent.futures.TimeoutError:
-                pass
-            return
-        try:
-            msg = error_message(exc)
-            sync(self.worker.loop, self.worker.scheduler.pgas_run_failed, name=name, run=run,
-                 exception=msg["exception"], traceback=msg["traceback"], exception_text=msg["exception_text"],
-                 traceback_text=msg["traceback_text"], callback_timeout=10)
-        except Exception as e:  # (each output task's own error still errs its key)
-            logger.warning("dask_pgas: the scheduler could not err the output tasks of %s run %d: %r", name, run, e)
-        finally:
-            asked.set_result(None)
 
     def _wait(self, done: concurrent.futures.Future, run: int, name: str, timeout: float) -> Any:
         """The result of run ``run`` here. The scheduler's watchdog fails a run that hangs (and wakes this

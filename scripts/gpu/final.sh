@@ -29,7 +29,6 @@
 #   dask4     the Dask suite on 4 GPU workers alone (a quick check after a change to the Dask layer)
 #   dask1     the same on 1 GPU worker
 #   failure   the Dask failure and launcher tests alone (tests/dask/test_failure.py, 3 GPU workers)
-#   failrun   the failure tests of runs that fail alike on every PE (bad config values), 2 GPU workers (short)
 #   cancel    the two cancel tests, 5 times on 4 GPU workers
 #   notebook  notebooks/01_pgas_rechunk.ipynb cell by cell on 1 and 2 GPU workers (1 GiB)
 #   demo      the README's main job (embedded default: one worker per GPU)
@@ -177,12 +176,6 @@ job_failure() {
   step "dask failure tests, 3 GPU workers (kill) and 2 (full heap)" 400 "$OUT/dask-failure.log" \
     env DASK_PGAS_TEST_GPU_WORKERS=3 python3 -m pytest -q -rA -p no:cacheprovider --durations=8 tests/dask/test_failure.py
   grep -h "passed\|failed" "$OUT/dask-failure.log" >>"$S" 2>/dev/null
-}
-job_failrun() {  # the runs that fail alike on every PE (bad config values; all output tasks erred in one step)
-  step "dask failed-run tests, 2 GPU workers" 150 "$OUT/dask-failrun.log" \
-    env DASK_PGAS_TEST_GPU_WORKERS=2 python3 -m pytest -q -rA -p no:cacheprovider tests/dask/test_failure.py \
-      -k "fails_alike or fails_every_pe_alike"
-  grep -h "passed\|failed" "$OUT/dask-failrun.log" >>"$S" 2>/dev/null
 }
 job_sidebyside() {  # SBS_ROUNDS rounds of 4 clusters x 4 GPU workers started at once (rounds 12a and 34a's failure),
   # with this tree's package, then (SBS_OLD=1) with an older one that `upload` copied from .gpu-old to /tmp/old

@@ -995,57 +995,16 @@ def test_a_bad_collective_timeout_on_the_scheduler_refuses_the_world():
         assert dask_pgas.world(client) is None
 
 
-def _erred_by(keys, dask_scheduler=None) -> dict:
-    """On the scheduler: for each key, the stimulus ids of its transitions into "erred" (its story)."""
-    return {str(k): [t[4] for t in dask_scheduler.story(k) if t[2] == "erred"] for k in keys}
+def _settled(client) -> None:
+    """Return once the client has handled every report the scheduler sent before now.
 
-
-def _worker_keys(keys, dask_worker=None) -> list:
-    """On a worker: which of ``keys`` its state machine still holds."""
-    return sorted(str(k) for k in keys if k in dask_worker.state.tasks)
-
-
-def test_a_run_that_fails_alike_errs_all_its_output_tasks_at_once():
-    """A run every PE refuses alike (a bad config value on one worker) errs all of its output tasks in one scheduler
-    step, as Dask errs every dependent of a failed task, not with one report per PE at different times. So the client
-    learns of every key in one message: a retry of the same keys right after the error cannot be handed a late report
-    of the failed run (distributed's client matches reports by key alone; CI's oldest job once met it, before). The
-    workers drop the erred keys once the client releases them, and the retry, at once, computes."""
-    import gc
-
-    import dask
-    from distributed import Client, futures_of, wait
-
-    key, bad, good = ("buffer-growth", 0.5, 1.25) if GPU_WORKERS else ("plan-cache-size", -3, 16)
-
-    def set_value(value):
-        dask.config.set({f"pgas.{key}": value})
-
-    with dask_pgas.LocalMPICluster(n_workers=2, backends=[BACKEND], gpus=1 if GPU_WORKERS else 0) as cluster, \
-            Client(cluster) as client:
-        world = dask_pgas.world(client)
-        x = on_device(da.random.random((40, 40), chunks=(40, 10))).persist()
-        client.run(set_value, bad, workers=[world.workers[1]])
-        y = dask_pgas.rechunk(x, (5, 40)).persist()  # 8 output chunks, 4 on each PE: every key wanted
-        keys = [k for row in y.__dask_keys__() for k in row]
-        futures = futures_of(y)
-        wait(futures)
-        assert [f.status for f in futures] == ["error"] * len(keys)
-        assert all(isinstance(f.exception(), ValueError) and f"pgas.{key} must be" in str(f.exception())
-                   for f in futures)
-        stimuli = client.run_on_scheduler(_erred_by, keys)
-        assert all(len(v) == 1 for v in stimuli.values()), stimuli
-        assert len({v[0] for v in stimuli.values()}) == 1, stimuli  # one step for all
-        assert next(iter(stimuli.values()))[0].startswith("pgas-run-failed-"), stimuli
-        del y, futures
-        gc.collect()
-        deadline = time.monotonic() + 10
-        while any(client.run(_worker_keys, keys).values()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not any(client.run(_worker_keys, keys).values())
-        client.run(set_value, good, workers=[world.workers[1]])
-        np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (5, 40)).persist().compute()), host(x.compute()))
-        assert dask_pgas.world(client).broken is None
+    A refused rechunk errs each PE's output tasks on their own workers, so the scheduler reports one task-erred per
+    wanted key, at different times (dask 2025.1 wants every output chunk of a ``compute()``; later versions want
+    one finalize key, but ``persist()`` wants them all). A report that arrives after ``compute()`` raised is
+    matched by key alone (``Client._handle_task_erred``), so a retry that resubmits the same keys at once can be
+    handed the first run's error (CI's oldest job, once; reproduced by holding back the second report). A trivial
+    task's result travels the same scheduler-to-client stream after those reports."""
+    client.submit(int, 0, pure=False).result()
 
 
 def test_a_bad_config_value_on_one_worker_fails_every_pe_alike():
@@ -1068,6 +1027,7 @@ def test_a_bad_config_value_on_one_worker_fails_every_pe_alike():
         client.run(set_value, bad, workers=[world.workers[1]])
         with pytest.raises(ValueError, match=rf"pgas\.{key} must be .*\(on tcp://"):
             dask_pgas.rechunk(x, (20, 40)).compute()
+        _settled(client)  # (the same keys are computed again below)
         assert dask_pgas.world(client).broken is None
         # a valid value that differs between workers: GPU workers free plans and grow buffers collectively by it,
         # so their run refuses it; MPI plans are local, so CPU workers may differ
@@ -1075,6 +1035,7 @@ def test_a_bad_config_value_on_one_worker_fails_every_pe_alike():
         if GPU_WORKERS:
             with pytest.raises(Exception, match=r"pgas\.\* config differs"):
                 dask_pgas.rechunk(x, (20, 40)).compute()
+            _settled(client)
             assert dask_pgas.world(client).broken is None
         else:
             np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (20, 40)).compute()), host(x.compute()))
@@ -1084,6 +1045,7 @@ def test_a_bad_config_value_on_one_worker_fails_every_pe_alike():
         client.run_on_scheduler(dask.config.set, {"pgas.collective-timeout": "soon"})
         with pytest.raises(ValueError, match=r"pgas\.collective-timeout must be .*\(on the scheduler\)"):
             dask_pgas.rechunk(x, (8, 40)).compute()  # (row slabs: an exchange, not a local plan)
+        _settled(client)
         assert dask_pgas.world(client).broken is None
         client.run_on_scheduler(dask.config.set, {"pgas.collective-timeout": "120s"})
         np.testing.assert_array_equal(host(dask_pgas.rechunk(x, (8, 40)).compute()), host(x.compute()))
