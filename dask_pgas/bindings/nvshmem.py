@@ -112,16 +112,16 @@ def host_lock(exclusive: bool) -> Iterator[None]:
     path = _host_lock_path()
     what = "init" if exclusive else "finalize"
     fd = taken = None
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        with contextlib.suppress(OSError):  # (other users' jobs take it too; the umask may have narrowed it)
-            os.fchmod(fd, 0o666)
-        t0 = time.monotonic()
-        taken = _flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, HOST_LOCK_WAIT)
-        waited = time.monotonic() - t0
-    except OSError as exc:  # no lock file here, or a file system without flock (ENOLCK): go on without it
-        log.debug("NVSHMEM host lock %s not used: %s", path, exc)
-    try:
+    try:  # (one try for the file's life: an interrupt while waiting closes it too)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            with contextlib.suppress(OSError):  # (other users' jobs take it too; the umask may have narrowed it)
+                os.fchmod(fd, 0o666)
+            t0 = time.monotonic()
+            taken = _flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, HOST_LOCK_WAIT)
+            waited = time.monotonic() - t0
+        except OSError as exc:  # no lock file here, or a file system without flock (ENOLCK): go on without it
+            log.debug("NVSHMEM host lock %s not used: %s", path, exc)
         if taken is False:
             holder = "unknown"
             with contextlib.suppress(OSError):

@@ -716,6 +716,26 @@ def test_a_lock_file_that_cannot_be_locked_is_skipped(host_lock_path, monkeypatc
     assert nv.lib.calls[-1] == "nvshmemx_hostlib_finalize"
 
 
+def test_an_interrupted_wait_for_the_host_lock_closes_its_file(host_lock_path, monkeypatch):
+    """Ctrl-C (or any error that is no OSError) while a PE waits for the host lock: the lock file's descriptor is
+    closed, not left open in a process that may go on (a notebook's kernel)."""
+    import fcntl
+    import os
+
+    from dask_pgas.bindings import nvshmem
+
+    def interrupted(fd, mode):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(nvshmem, "fcntl", types.SimpleNamespace(
+        LOCK_EX=fcntl.LOCK_EX, LOCK_SH=fcntl.LOCK_SH, LOCK_NB=fcntl.LOCK_NB, flock=interrupted))
+    before = sorted(os.listdir("/proc/self/fd"))
+    with pytest.raises(KeyboardInterrupt):
+        with nvshmem.host_lock(exclusive=True):
+            pass
+    assert sorted(os.listdir("/proc/self/fd")) == before
+
+
 def test_finalize_holds_the_host_lock_shared(host_lock_path):
     nv = _bound_nvshmem()
     seen = _seen_during(nv, "nvshmemx_hostlib_finalize", host_lock_path)
