@@ -52,8 +52,9 @@
 #   daskcuda  dask-cuda's LocalCUDACluster (workers not launched by MPI, default backends): the Dask suite on 1
 #             worker (one per GPU), then examples/dask_cuda_rechunk.py (the dask-cuda wheel travels in .whl, `pip
 #             download --no-deps dask-cuda`: the host has its dependencies cuda-core and nvidia-ml-py). Rounds 32-34
-#             used 26.10.0; since session 36 the index offers only 25.10.0, which requires cuda-core 0.3 (the host
-#             has 1.2.0) and numba-cuda: not tried, the job waits for a 26.x wheel
+#             used 26.10.0; in sessions 36-37 the index offered only 25.10.0 (it requires cuda-core 0.3; the host
+#             has 1.2.0); 26.10.0 is back in session 38 (its wheel is tagged manylinux_2_28: download it with
+#             --platform manylinux_2_28_x86_64, or without --platform)
 # Logs go to $OUT/logs.tar.gz (one or more per job, packed at the end: the device tool returns few files); PASS/FAIL
 # lines and the key numbers to $OUT/summary.txt. A step that
 # would start with less than 15 s of BUDGET left is skipped. (Rounds 1-10 of docs/gpu-validation.md name the
