@@ -26,6 +26,7 @@
 #   sidebyside  4 LocalMPICluster worlds of 4 GPU workers started at once, SBS_ROUNDS (4) times: the bring-up
 #             death rounds 12a, 34a and 35 saw (scripts/gpu/probe_side_by_side.py); with SBS_OLD=1 also with the package in .gpu-old (`git archive REV dask_pgas | tar -x -C .gpu-old`,
 #             carried in the `upload` call)
+#   dasksuites  the same four Dask suites side by side, without the failure tests (about 70 s)
 #   dask4     the Dask suite on 4 GPU workers alone (a quick check after a change to the Dask layer)
 #   dask1     the same on 1 GPU worker
 #   failure   the Dask failure and launcher tests alone (tests/dask/test_failure.py, 3 GPU workers)
@@ -166,14 +167,17 @@ job_robust() {
       tests/mpi/test_reshape_mpi.py
   grep -h "passed\|failed" "$OUT/robust.log" >>"$S" 2>/dev/null
 }
-job_dask() {
+job_dasksuites() {
   for k in 1 2 4; do
     dask_suite $k 200 "$OUT/dask$k.log" &
   done
   dask_suite 2 200 "$OUT/dask-nanny2.log" local &
   wait
-  job_failure
   grep -h "passed\|failed" "$OUT"/dask[0-9]*.log "$OUT"/dask-nanny*.log >>"$S" 2>/dev/null
+}
+job_dask() {
+  job_dasksuites
+  job_failure
 }
 job_failure() {
   step "dask failure tests, 3 GPU workers (kill) and 2 (full heap)" 400 "$OUT/dask-failure.log" \
