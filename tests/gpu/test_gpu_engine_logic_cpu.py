@@ -722,21 +722,19 @@ def test_an_interrupted_wait_for_the_host_lock_closes_its_file(host_lock_path, m
     import fcntl
     import os
 
+    import psutil
+
     from dask_pgas.bindings import nvshmem
 
     def interrupted(fd, mode):
         raise KeyboardInterrupt
 
     def lock_fds():  # (only the lock file's: the session's Dask cluster, if any, opens sockets meanwhile)
-        fds = []
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                if os.readlink(f"/proc/self/fd/{fd}") == host_lock_path:
-                    fds.append(fd)
-            except OSError:  # (closed meanwhile)
-                pass
-        return fds
+        return [f.fd for f in psutil.Process().open_files() if f.path == os.path.realpath(host_lock_path)]
 
+    with nvshmem.host_lock(exclusive=True):  # (lock_fds sees the file while it is open)
+        assert lock_fds()
+    assert lock_fds() == []
     monkeypatch.setattr(nvshmem, "fcntl", types.SimpleNamespace(
         LOCK_EX=fcntl.LOCK_EX, LOCK_SH=fcntl.LOCK_SH, LOCK_NB=fcntl.LOCK_NB, flock=interrupted))
     with pytest.raises(KeyboardInterrupt):
