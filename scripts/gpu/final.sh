@@ -26,7 +26,7 @@
 #   sidebyside  4 LocalMPICluster worlds of 4 GPU workers started at once, SBS_ROUNDS (4) times: the bring-up
 #             death rounds 12a, 34a and 35 saw (scripts/gpu/probe_side_by_side.py); with SBS_OLD=1 also with the package in .gpu-old (`git archive REV dask_pgas | tar -x -C .gpu-old`,
 #             carried in the `upload` call)
-#   dasksuites  the four Dask suites of `dask` (1, 2 and 4 GPU workers, 2 outside MPI) without its failure tests (~70 s)
+#   dasksuites  the four Dask suites of `dask` (1, 2 and 4 GPU workers, 2 outside MPI) without its failure tests (70-120 s)
 #   dask4     the Dask suite on 4 GPU workers alone (a quick check after a change to the Dask layer)
 #   dask1     the same on 1 GPU worker
 #   failure   the Dask failure and launcher tests alone (tests/dask/test_failure.py, 3 GPU workers)
