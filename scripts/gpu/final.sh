@@ -19,6 +19,9 @@
 #             core suite (random layouts against NumPy) with CuPy, torch and NumPy at 2-4 PEs
 #   mps       gpu_checks, the CuPy core suite and the Dask suite at 2 and 4 PEs under MPS
 #   dask      the Dask suite on 1, 2 and 4 GPU workers and on 2 outside MPI (side by side), then the failure tests
+#   fuzz      new random cases each round (FUZZ_SEED replays one): the core suite with --seed (CuPy at 2, 3 and 4
+#             PEs, torch at 3, NumPy at 2) beside the Dask suite's random rechunks and selections on 2 and 4 GPU
+#             workers with --hypothesis-seed (about 4 minutes)
 #   checks    gpu_checks alone, at 1, 2 and 4 PEs and at 3 with DASK_PGAS_EMPTY_VIA_PEER=1 (a short call, when
 #             little device time is left: the engine's own checks, peer copies included)
 #   sbsuid    the same bring-up without Dask or cuFFTMp: 4 jobs of 4 PEs (uid_checks.py --no-reshape) at once,
@@ -145,6 +148,26 @@ job_engine() {
     core_suite 2 torch-cpu 10 100 "$OUT/engine.log" ) &
   wait
   grep -h "passed\|failed" "$OUT/engine-pytest.log" | tail -2 >>"$S"
+}
+job_fuzz() {  # new random cases (the suites above draw the same ones every round): FUZZ_SEED replays a round
+  local seed=${FUZZ_SEED:-$(( $(od -An -N4 -tu4 /dev/urandom) % 2147483647 ))}
+  echo "fuzz seed $seed (FUZZ_SEED=$seed replays it)" >>"$S"
+  ( for np_ in 2 3 4; do
+      step "fuzz: core suite np=$np_ cupy --seed $((seed + np_))" 150 "$OUT/fuzz.log" \
+        $MPIRUN -n $np_ python3 $SUITE --backend nvshmem --package cupy --examples 150 --seed $((seed + np_))
+    done
+    step "fuzz: core suite np=3 torch --seed $seed" 150 "$OUT/fuzz.log" \
+      $MPIRUN -n 3 python3 $SUITE --backend nvshmem --package torch --examples 100 --seed $seed
+    step "fuzz: core suite np=2 numpy --seed $seed" 120 "$OUT/fuzz.log" \
+      $MPIRUN -n 2 python3 $SUITE --backend nvshmem --package numpy --examples 60 --seed $seed ) &
+  ( for k in 2 4; do
+      step "fuzz: dask suite's random rechunks and selections, $k GPU workers, --hypothesis-seed=$seed" 240 \
+        "$OUT/fuzz-dask$k.log" env DASK_PGAS_TEST_GPU_WORKERS=$k python3 -m pytest -q -p no:cacheprovider \
+        tests/dask/test_rechunk.py -k "matches_numpy or selections_match" --hypothesis-seed=$seed
+    done ) &
+  wait
+  grep -h "passed\|failed" "$OUT"/fuzz-dask*.log >>"$S" 2>/dev/null
+  grep -h "^OK rank=0" "$OUT/fuzz.log" >>"$S" 2>/dev/null
 }
 job_checks() {
   gpu_checks "$OUT/checks.log"

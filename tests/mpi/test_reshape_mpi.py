@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import random
 import re
 
 import pytest
@@ -35,6 +37,18 @@ def _engine_args(engine) -> list[str]:
 def test_random_layouts_against_numpy(nranks):
     examples = {1: 60, 2: 80, 3: 80, 4: 60}[nranks]
     check(run_mpi("reshape_suite.py", nranks, "--examples", str(examples), timeout=300), nranks)
+
+
+def test_random_layouts_from_a_new_seed_each_run():
+    """The suite above draws the same (derandomized) cases every run; this one draws new ones each run, at 5
+    ranks (odd, more than the box's cores). ``DASK_PGAS_FUZZ_SEED`` replays a seed; a failure names it."""
+    seed = int(os.environ.get("DASK_PGAS_FUZZ_SEED") or random.SystemRandom().randrange(2**31))
+    result = run_mpi("reshape_suite.py", 5, "--examples", "100", "--seed", str(seed), timeout=300)
+    try:
+        check(result, 5)
+    except AssertionError as exc:
+        raise AssertionError(f"DASK_PGAS_FUZZ_SEED={seed} replays this: {exc}") from None
+    assert f"seed={seed}" in result.stdout
 
 
 @pytest.mark.parametrize("nranks", [1, 3])

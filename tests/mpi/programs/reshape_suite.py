@@ -2,6 +2,9 @@
 
 Every rank runs the same hypothesis examples (derandomized) and the verdict of each example is agreed with an
 allreduce, so all ranks pass or fail together. Run: mpiexec -n K python reshape_suite.py [--backend ...]
+
+``--seed S`` draws the examples from seed ``S`` instead (a fuzz run: new cases each seed, the same on every rank,
+as generation depends only on the seed and the agreed verdicts; no shrinking, which is timed).
 """
 
 from __future__ import annotations
@@ -24,15 +27,20 @@ from _common import (
     to_numpy,
     torch_cpu,
 )
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 import dask_pgas
 from dask_pgas.distribution import Box, Slab
 from dask_pgas.reshape import Reshape
 
-opts = options()
+opts = options(lambda parser: parser.add_argument("--seed", type=int, default=None))
 initialize(opts)
+
+
+def drawn(test):
+    """``test`` with its examples drawn from ``--seed`` when given (else derandomized, the same every run)."""
+    return test if opts.seed is None else seed(opts.seed)(test)
 
 COMMON = ["bool", "int8", "uint8", "int16", "int32", "int64", "float16", "float32", "float64", "complex64",
           "complex128"]
@@ -176,9 +184,10 @@ def run_case(case):
 
 
 @settings(
-    max_examples=opts.examples, derandomize=True, database=None, deadline=None,
+    max_examples=opts.examples, derandomize=opts.seed is None, database=None, deadline=None,
     phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck), print_blob=False,
 )
+@drawn
 @given(case=cases())
 def test_random_layouts(case):
     run_case(case)
@@ -201,9 +210,10 @@ def slab_cases(draw):
 
 
 @settings(
-    max_examples=max(opts.examples // 3, 5), derandomize=True, database=None, deadline=None,
+    max_examples=max(opts.examples // 3, 5), derandomize=opts.seed is None, database=None, deadline=None,
     phases=[Phase.generate], suppress_health_check=list(HealthCheck), print_blob=False,
 )
+@drawn
 @given(case=slab_cases())
 def test_slabs(case):
     """Redistribute between Slab distributions (nvmath 1.0's Slab.X -> Slab.Y) and boxes, against NumPy: the
@@ -438,4 +448,5 @@ test_slabs()
 usage = dask_pgas.heap_usage()
 assert usage["allocations"] == 0, f"symmetric memory leaked: {usage}"
 dask_pgas.finalize()
-report_ok(examples=opts.examples, backend=opts.backend, package=opts.package)
+report_ok(examples=opts.examples, backend=opts.backend, package=opts.package,
+          **({} if opts.seed is None else {"seed": opts.seed}))
