@@ -85,15 +85,22 @@ def test_bench_bare_exchanges_fail_instead_of_waiting(tmp_path):
 
 
 def test_timeline_rechunk_small():
-    stdout = _run(str(BENCH / "timeline_rechunk.py"), "--workers", "2", "--n", "256", "--repeats", "2")
+    stdout = _run(str(BENCH / "timeline_rechunk.py"), "--workers", "2", "--n", "256", "--repeats", "2", "--cpu")
     stamps = dict(line.rsplit(None, 1) for line in stdout.splitlines() if line and not line.startswith("#"))
     stamps = {key.strip(): float(value) for key, value in stamps.items()}
-    assert set(stamps) == {"graph", "scheduled", "staged", "exchange first in", "exchange last in",
-                           "exchange first out", "exchange last out", "done", "exchange (slowest PE)",
+    cpu = {key: stamps.pop(key) for key in list(stamps) if key.startswith("cpu: ")}
+    assert set(stamps) == {"graph", "scheduled", "staged", "barrier dispatched", "barrier in memory",
+                           "exchange first in", "exchange last in", "exchange first out", "exchange last out",
+                           "outputs dispatched", "outputs in memory", "done", "exchange (slowest PE)",
                            "trivial graph, done"}, stdout
     assert all(math.isfinite(v) and v >= 0 for v in stamps.values()), stdout
+    assert set(cpu) == {"cpu: client", "cpu: scheduler", "cpu: workers' main", "cpu: workers' collective",
+                        "cpu: workers' other"}, stdout
+    assert all(math.isfinite(v) and v >= 0 for v in cpu.values()), stdout  # (10 ms ticks: may read 0)
     # the stamps after the scheduler has the graph follow the run's steps (each waits for the one before)
-    order = ["scheduled", "staged", "exchange first in", "exchange last out", "done"]
+    order = ["scheduled", "staged", "exchange first in", "exchange last out", "outputs in memory", "done"]
+    assert stamps["staged"] <= stamps["barrier dispatched"] <= stamps["barrier in memory"], stdout
+    assert stamps["barrier in memory"] <= stamps["outputs dispatched"] <= stamps["outputs in memory"], stdout
     assert stamps["exchange first in"] <= stamps["exchange last in"] <= stamps["exchange last out"], stdout
     assert stamps["exchange first out"] <= stamps["exchange last out"], stdout
     assert [stamps[k] for k in order] == sorted(stamps[k] for k in order), stdout
