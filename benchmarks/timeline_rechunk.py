@@ -1,6 +1,6 @@
-"""Where the time of one S1 ``method="pgas"`` rechunk goes, on CPU workers of one host.
+"""Where the time of one S1 ``method="pgas"`` rechunk goes, on CPU workers of one host (or GPU workers: ``--gpu``).
 
-    python benchmarks/timeline_rechunk.py [--workers 4] [--n 8192] [--repeats 7] [--cpu]
+    python benchmarks/timeline_rechunk.py [--workers 4] [--n 8192] [--repeats 7] [--cpu] [--gpu]
 
 For each repeat (after one warm-up) it stamps, in milliseconds from the client's ``persist`` call (one host,
 so one wall clock for every process):
@@ -22,6 +22,9 @@ for a round trip through the scheduler and the workers). Medians over the repeat
 these rows are means over the repeats): the client process, the scheduler process, the workers' event loops (their
 main threads, all workers together), their collective threads, and every other worker thread. On a box with
 fewer cores than processes this shows how much of the cores Dask's side takes beside the exchange.
+
+``--gpu``: CuPy chunks on GPU workers sharing the host's GPUs (``LocalMPICluster(gpus=1)``, NVSHMEM engine). The
+exchange stamps are then host times around the engine's ``execute`` (which ends with the stream synchronized).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--cpu", action="store_true", help="also the CPU time of each process class per rechunk")
+    ap.add_argument("--gpu", action="store_true", help="CuPy chunks on GPU workers (the NVSHMEM engine)")
     args = ap.parse_args()
 
     import dask.array as da
@@ -100,8 +104,14 @@ def main() -> None:
                 **{f"workers' {k}": sum(w[k] for w in workers.values()) for k in ("main", "collective", "other")}}
 
     rows = []
-    with dask_pgas.LocalMPICluster(n_workers=p, backends=["mpi"]) as cluster, Client(cluster) as client:
-        x = da.random.random((n, n), chunks=(n, b)).persist()
+    cluster_args = {"backends": ["nvshmem"], "gpus": 1} if args.gpu else {"backends": ["mpi"]}
+    with dask_pgas.LocalMPICluster(n_workers=p, **cluster_args) as cluster, Client(cluster) as client:
+        x = da.random.random((n, n), chunks=(n, b))
+        if args.gpu:
+            import cupy
+
+            x = x.map_blocks(cupy.asarray, dtype=x.dtype, meta=cupy.empty((0, 0), dtype=x.dtype))
+        x = x.persist()
         wait(x)
         for i in range(args.repeats + 1):
             cpu0 = cpu_now(client) if args.cpu else None
@@ -140,7 +150,8 @@ def main() -> None:
                              "trivial graph, done": (t4 - t3) * 1e3,
                              **({f"cpu: {k}": (cpu1[k] - cpu0[k]) * 1e3 for k in cpu0} if args.cpu else {})})
     cpu_note = "; cpu: mean ms of CPU time per rechunk" if args.cpu else ""
-    print(f"# S1 {n} x {n} float64 ({n * n * 8 / 2**20:.0f} MiB), {p} CPU workers, {os.cpu_count()} cores; "
+    kind = "GPU workers (CuPy)" if args.gpu else "CPU workers"
+    print(f"# S1 {n} x {n} float64 ({n * n * 8 / 2**20:.0f} MiB), {p} {kind}, {os.cpu_count()} cores; "
           f"median of {args.repeats}, ms from persist(){cpu_note}")
     for key in rows[0]:  # (CPU times tick in 10 ms steps: their mean, not their median)
         value = (statistics.mean if key.startswith("cpu: ") else statistics.median)(r[key] for r in rows)

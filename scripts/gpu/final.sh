@@ -22,6 +22,7 @@
 #   fuzz      new random cases each round (FUZZ_SEED replays one): the core suite with --seed (CuPy at 2, 3 and 4
 #             PEs, torch at 3, NumPy at 2) beside the Dask suite's random rechunks and selections on 2 and 4 GPU
 #             workers with --hypothesis-seed (about 4 minutes)
+#   timeline  benchmarks/timeline_rechunk.py (--cpu): 4 CPU workers, then 2 and 4 GPU workers at n=4096 and 32768
 #   checks    gpu_checks alone, at 1, 2 and 4 PEs and at 3 with DASK_PGAS_EMPTY_VIA_PEER=1 (a short call, when
 #             little device time is left: the engine's own checks, peer copies included)
 #   sbsuid    the same bring-up without Dask or cuFFTMp: 4 jobs of 4 PEs (uid_checks.py --no-reshape) at once,
@@ -168,6 +169,17 @@ job_fuzz() {  # new random cases (the suites above draw the same ones every roun
   wait
   grep -h "passed\|failed" "$OUT"/fuzz-dask*.log >>"$S" 2>/dev/null
   grep -h "^OK rank=0" "$OUT/fuzz.log" >>"$S" 2>/dev/null
+}
+job_timeline() {  # where a collective rechunk's time goes on this host (benchmarks/timeline_rechunk.py): 4 CPU
+  # workers (16 cores: no oversubscription), then 2 and 4 GPU workers sharing the GPU, small and larger arrays
+  step "timeline, 4 CPU workers, S1 8192" 120 "$OUT/timeline.log" \
+    python3 benchmarks/timeline_rechunk.py --workers 4 --n 8192 --repeats 9 --cpu
+  for k in 2 4; do
+    for n in 4096 32768; do
+      step "timeline, $k GPU workers, n=$n" 120 "$OUT/timeline.log" \
+        python3 benchmarks/timeline_rechunk.py --gpu --workers $k --n $n --repeats 9 --cpu
+    done
+  done
 }
 job_checks() {
   gpu_checks "$OUT/checks.log"
