@@ -22,7 +22,9 @@
 #   fuzz      new random cases each round (FUZZ_SEED replays one): the core suite with --seed (CuPy at 2, 3 and 4
 #             PEs, torch at 3, NumPy at 2) beside the Dask suite's random rechunks and selections on 2 and 4 GPU
 #             workers with --hypothesis-seed (about 4 minutes)
-#   timeline  benchmarks/timeline_rechunk.py (--cpu): 4 CPU workers, then 2 and 4 GPU workers at n=4096 and 32768
+#   cputimeline  benchmarks/timeline_rechunk.py --cpu on 4 CPU workers at n=8192 and 1024 (16 cores; may follow
+#             upload); with TL_ALT=1 alternately with the package in .gpu-old (a candidate change, say)
+#   timeline  the same on 2 and 4 GPU workers sharing the GPU at n=4096 and 32768
 #   checks    gpu_checks alone, at 1, 2 and 4 PEs and at 3 with DASK_PGAS_EMPTY_VIA_PEER=1 (a short call, when
 #             little device time is left: the engine's own checks, peer copies included)
 #   sbsuid    the same bring-up without Dask or cuFFTMp: 4 jobs of 4 PEs (uid_checks.py --no-reshape) at once,
@@ -170,14 +172,27 @@ job_fuzz() {  # new random cases (the suites above draw the same ones every roun
   grep -h "passed\|failed" "$OUT"/fuzz-dask*.log >>"$S" 2>/dev/null
   grep -h "^OK rank=0" "$OUT/fuzz.log" >>"$S" 2>/dev/null
 }
-job_timeline() {  # where a collective rechunk's time goes on this host (benchmarks/timeline_rechunk.py): 4 CPU
-  # workers (16 cores: no oversubscription), then 2 and 4 GPU workers sharing the GPU, small and larger arrays
-  step "timeline, 4 CPU workers, S1 8192" 120 "$OUT/timeline.log" \
-    python3 benchmarks/timeline_rechunk.py --workers 4 --n 8192 --repeats 9 --cpu
+# timeline TAG ARGS...: benchmarks/timeline_rechunk.py with this tree's package, and (TL_ALT=1) alternately with
+# the one `upload` copied from .gpu-old to /tmp/old, twice each (medians of 9 repeats per run)
+timeline() {
+  local tag=$1 tree; shift
+  for round in 1 2; do
+    for tree in $PWD ${TL_ALT:+/tmp/old}; do
+      step "timeline $tag ($([ "$tree" = "$PWD" ] && echo this || echo old) package, run $round)" 120 \
+        "$OUT/timeline.log" env PYTHONPATH="$tree:$PYTHONPATH" python3 benchmarks/timeline_rechunk.py --repeats 9 "$@"
+      [ -n "${TL_ALT:-}" ] || break 2
+    done
+  done
+}
+job_cputimeline() {  # where a collective rechunk's time goes on this host's 16 cores (no oversubscription): 4 CPU
+  # workers, S1 (512 MiB: a long exchange) and n=1024 (8 MiB: a short one); needs no cuFFTMp
+  timeline "4 CPU workers, n=8192" --workers 4 --n 8192 --cpu
+  timeline "4 CPU workers, n=1024" --workers 4 --n 1024 --cpu
+}
+job_timeline() {  # the same on 2 and 4 GPU workers sharing the GPU, n=4096 (128 MiB) and 32768 (8 GiB)
   for k in 2 4; do
     for n in 4096 32768; do
-      step "timeline, $k GPU workers, n=$n" 120 "$OUT/timeline.log" \
-        python3 benchmarks/timeline_rechunk.py --gpu --workers $k --n $n --repeats 9 --cpu
+      timeline "$k GPU workers, n=$n" --gpu --workers $k --n $n --cpu
     done
   done
 }
@@ -397,8 +412,8 @@ case "${1:-}" in
 esac
 for job in "$@"; do
   declare -F "job_$job" >/dev/null || { echo "unknown job: $job (see the top of this file)" >&2; exit 2; }
-  if [ -n "$NOLIB" ] && [[ " robust cpubench sbsuid " != *" $job "* ]]; then
-    echo "$job needs cuFFTMp: run it after the uploads (only robust, cpubench and sbsuid may follow upload/upload2)" >&2; exit 2
+  if [ -n "$NOLIB" ] && [[ " robust cpubench sbsuid cputimeline " != *" $job "* ]]; then
+    echo "$job needs cuFFTMp: run it after the uploads (only robust, cpubench, sbsuid and cputimeline may follow upload/upload2)" >&2; exit 2
   fi
 done
 if [ -n "$NOLIB" ] && [ $# -eq 0 ]; then cat "$S"; pack_logs; exit 0; fi
