@@ -22,7 +22,7 @@
 #   fuzz      new random cases each round (FUZZ_SEED replays one): the core suite with --seed (CuPy at 2, 3 and 4
 #             PEs, torch at 3, NumPy at 2) beside the Dask suite's random rechunks and selections on 2 and 4 GPU
 #             workers with --hypothesis-seed (about 4 minutes)
-#   cputimeline  benchmarks/timeline_rechunk.py --cpu on 4 CPU workers at n=8192 and 1024 (16 cores; may follow
+#   cputimeline  benchmarks/timeline_rechunk.py --cpu on 4 CPU workers at n=1024 and 8192 (16 cores; may follow
 #             upload); with TL_ALT=1 alternately with the package in .gpu-old (a candidate change, say)
 #   timeline  the same on 2 and 4 GPU workers sharing the GPU at n=4096 and 32768
 #   checks    gpu_checks alone, at 1, 2 and 4 PEs and at 3 with DASK_PGAS_EMPTY_VIA_PEER=1 (a short call, when
@@ -185,9 +185,9 @@ timeline() {
   done
 }
 job_cputimeline() {  # where a collective rechunk's time goes on this host's 16 cores (no oversubscription): 4 CPU
-  # workers, S1 (512 MiB: a long exchange) and n=1024 (8 MiB: a short one); needs no cuFFTMp
-  timeline "4 CPU workers, n=8192" --workers 4 --n 8192 --cpu
+  # workers, n=1024 (8 MiB: a short exchange) and S1 (512 MiB: a long one); needs no cuFFTMp
   timeline "4 CPU workers, n=1024" --workers 4 --n 1024 --cpu
+  timeline "4 CPU workers, n=8192" --workers 4 --n 8192 --cpu
 }
 job_timeline() {  # the same on 2 and 4 GPU workers sharing the GPU, n=4096 (128 MiB) and 32768 (8 GiB)
   for k in 2 4; do
