@@ -41,10 +41,10 @@ def test_random_layouts_against_numpy(nranks):
 
 def test_random_layouts_from_a_new_seed_each_run():
     """The suite above draws the same (derandomized) cases every run, as every rank must; this one draws them
-    from a new seed each run, at 5 ranks (odd, more than the box's cores). ``DASK_PGAS_FUZZ_SEED`` replays a seed;
-    a failure names it."""
+    from a new seed each run, at 5 ranks (odd, more than the box's cores; 60 examples take about 4 s with MPICH 5,
+    a minute with MPICH 4, whose waiting ranks spin). ``DASK_PGAS_FUZZ_SEED`` replays a seed; a failure names it."""
     seed = int(os.environ.get("DASK_PGAS_FUZZ_SEED") or random.SystemRandom().randrange(2**31))
-    result = run_mpi("reshape_suite.py", 5, "--examples", "100", "--seed", str(seed), timeout=300)
+    result = run_mpi("reshape_suite.py", 5, "--examples", "60", "--seed", str(seed), timeout=300)
     try:
         check(result, 5)
     except AssertionError as exc:
